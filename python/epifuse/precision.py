@@ -1,0 +1,58 @@
+"""fp32 GEMM precision policy: which tensor-core mode a float32 GEMM may use.
+
+The ops take a precision string: ``"ieee"`` (true fp32 math, 3xTF32 or SIMT
+in the kernels), ``"tf32"`` (one TF32 pass), or ``""`` for 16-bit inputs,
+where it has no meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+IEEE = "ieee"
+TF32 = "tf32"
+
+# Accepted spellings: ours, and torch.set_float32_matmul_precision's.
+_ALIASES = {
+    "ieee": IEEE,
+    "highest": IEEE,
+    "tf32": TF32,
+    "high": TF32,
+    "medium": TF32,
+}
+
+
+def validate_precision(precision: Optional[str]) -> Optional[str]:
+    """Canonical form of a user-given precision (None stays None: follow torch)."""
+    if precision is None:
+        return None
+    canonical = _ALIASES.get(precision) if isinstance(precision, str) else None
+    if canonical is None:
+        raise ValueError(
+            f"epifuse: unknown precision {precision!r}; expected one of "
+            f"{sorted(_ALIASES)} or None (follow torch.get_float32_matmul_precision())")
+    return canonical
+
+
+@torch.compiler.assume_constant_result
+def _torch_matmul_precision() -> str:
+    # Dynamo cannot trace this string-returning call; under torch.compile the
+    # policy is read once, when the graph is compiled.
+    return torch.get_float32_matmul_precision()
+
+
+def resolve_precision(precision: Optional[str], dtype: torch.dtype) -> str:
+    """The precision string to pass to the ops for inputs of ``dtype``.
+
+    None follows ``torch.get_float32_matmul_precision()`` at call time, so
+    ``torch.set_float32_matmul_precision("high")`` switches fp32 models to
+    TF32 the same way it switches nn.Linear.
+    """
+    canonical = validate_precision(precision)
+    if dtype != torch.float32:
+        return ""
+    if canonical is None:
+        return IEEE if _torch_matmul_precision() == "highest" else TF32
+    return canonical

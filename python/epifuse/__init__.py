@@ -1,0 +1,18 @@
+"""epifuse: CUTLASS epilogue-fusion kernels for GEMM + BatchNorm heads.
+
+Importing the package loads the compiled op library (``lib/libepifuse_ops.so``)
+and registers the CPU and fake kernels of its ops.
+"""
+
+from ._library import load_library
+
+load_library()
+
+from . import fold, ops, precision  # noqa: E402  (ops need the library loaded)
+from . import head, problems  # noqa: E402
+from .functional import softmax  # noqa: E402
+from .head import fast_path_reason  # noqa: E402
+from .problems.gemm_bn_scale_softmax import ModelNew  # noqa: E402
+
+__all__ = ["ModelNew", "fast_path_reason", "fold", "head", "ops", "precision", "problems",
+           "softmax"]

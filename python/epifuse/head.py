@@ -1,0 +1,214 @@
+"""The fused forward shared by both problems' ModelNew.
+
+A "head" module has the attributes of the reference models: ``gemm``
+(nn.Linear), ``bn`` (nn.BatchNorm1d), ``scale`` (nn.Parameter) and a
+``precision`` policy. On Hopper CUDA tensors the forward runs the epifuse ops:
+
+  train: gemm_colstats -> bn_fold_train (updates running stats) -> affine[_softmax]_
+  eval:  bn_fold_eval -> gemm_affine (-> in-place softmax)
+
+Anything else runs the reference module sequence, so results (and PyTorch's
+own error messages for bad input) are those of the reference model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import ops
+from .precision import resolve_precision
+
+# Read once: the NVTX ranges cost nothing unless asked for at import time.
+_NVTX = os.environ.get("EPIFUSE_NVTX") == "1"
+_NULL_RANGE = contextlib.nullcontext()
+
+
+def _range(name: str):
+    return torch.cuda.nvtx.range(name) if _NVTX else _NULL_RANGE
+
+
+_FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """Where the model's ``scale`` sits and whether a softmax ends the head."""
+
+    scale_before_bn: bool  # problem 39: x * scale -> bn; problem 84: bn -> scale * x
+    softmax: bool
+
+
+# --------------------------------------------------------------------------- dispatch
+
+_DEVICE_REASONS: dict[int, Optional[str]] = {}
+
+
+# A device's answer never changes: cache it, and let torch.compile fold it to a
+# constant (Dynamo cannot trace the capability query).
+@torch.compiler.assume_constant_result
+def _device_supported(index: int) -> Optional[str]:
+    if index not in _DEVICE_REASONS:
+        reason = None
+        if not ops.has_cuda_kernels():
+            reason = "epifuse library built without CUDA kernels"
+        else:
+            cap = torch.cuda.get_device_capability(index)
+            if cap != (9, 0):
+                reason = f"GPU is sm_{cap[0]}{cap[1]}; the fused kernels need sm_90 (Hopper)"
+        _DEVICE_REASONS[index] = reason
+    return _DEVICE_REASONS[index]
+
+
+def _device_reason(x: Tensor) -> Optional[str]:
+    """Why x's device cannot run the fused kernels (None: it can)."""
+    if not x.is_cuda:
+        return f"input is on {x.device.type}, not CUDA"
+    return _device_supported(x.device.index)  # a CUDA tensor's device always has an index
+
+
+def fast_path_reason(module: nn.Module, x: Tensor) -> Optional[str]:
+    """None when ``module(x)`` will take the fused path; otherwise a short reason why not."""
+    if not isinstance(x, Tensor):
+        return "input is not a tensor"
+    reason = _device_reason(x)
+    if reason is not None:
+        return reason
+    gemm, bn, scale = module.gemm, module.bn, module.scale
+    if x.dim() != 2:
+        return f"input is {x.dim()}-D, not 2-D"
+    if x.shape[1] != gemm.in_features:
+        return f"input has {x.shape[1]} features, gemm expects {gemm.in_features}"
+    if x.shape[0] == 0:
+        return "empty batch"
+    if bn.training and x.shape[0] == 1:
+        # BatchNorm raises for this; the reference path raises it before any GEMM runs.
+        return "training batch of 1 row"
+    if x.dtype not in _FAST_DTYPES:
+        return f"dtype {x.dtype} not supported"
+    if not bn.affine or bn.running_mean is None or bn.running_var is None:
+        return "BatchNorm without affine parameters or running statistics"
+    n = gemm.out_features
+    if bn.num_features != n:
+        return f"BatchNorm has {bn.num_features} features, gemm has {n}"
+    if scale.dim() != 1 or scale.numel() not in (1, n):
+        return f"scale shape {tuple(scale.shape)} is neither (1,) nor ({n},)"
+    # Mixed devices/dtypes: the reference raises PyTorch's own error.
+    for t in (gemm.weight, gemm.bias, bn.weight, bn.bias, scale, bn.running_mean, bn.running_var):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            return "parameters/buffers differ from the input in dtype or device"
+    if bn.num_batches_tracked is not None and bn.num_batches_tracked.device != x.device:
+        return "num_batches_tracked is on another device"
+    return None
+
+
+def run_head(module: nn.Module, x: Tensor, spec: HeadSpec,
+             reference: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
+    """Forward of a head module: fused on supported inputs, ``reference(module, x)`` otherwise."""
+    if fast_path_reason(module, x) is not None:
+        return reference(module, x)
+    gemm, bn = module.gemm, module.bn
+    precision = resolve_precision(module.precision, x.dtype)
+    args = (x, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale,
+            bn.running_mean, bn.running_var, bn.num_batches_tracked,
+            spec, precision, bn.training, bn.momentum, bn.eps)
+    if torch.is_grad_enabled() and (x.requires_grad or any(
+            p is not None and p.requires_grad for p in args[1:6])):
+        return _FusedHead.apply(*args)
+    return _fused_forward(*args)
+
+
+# --------------------------------------------------------------------------- fused forward
+
+def _fused_forward(x, weight, bias, gamma, beta, scale, running_mean, running_var,
+                   num_batches_tracked, spec: HeadSpec, precision: str, training: bool,
+                   momentum: Optional[float], eps: float) -> Tensor:
+    pre, post = (scale, None) if spec.scale_before_bn else (None, scale)
+    if training:
+        with _range("epifuse.gemm"):
+            z, colsum, colsumsq = ops.gemm_colstats(x, weight, precision)
+        with _range("epifuse.fold"):
+            a, c = ops.bn_fold_train(colsum, colsumsq, x.shape[0], bias, gamma, beta, pre, post,
+                                     running_mean, running_var, num_batches_tracked,
+                                     momentum, eps)
+        if spec.softmax:
+            with _range("epifuse.softmax"):
+                ops.affine_softmax_(z, a, c)
+        else:
+            with _range("epifuse.affine"):
+                ops.affine_(z, a, c)
+        return z
+    with _range("epifuse.fold"):
+        a, c = ops.bn_fold_eval(bias, gamma, beta, pre, post, running_mean, running_var, eps)
+    with _range("epifuse.gemm"):
+        y = ops.gemm_affine(x, weight, a, c, precision)
+    if spec.softmax:
+        with _range("epifuse.softmax"):
+            ops.affine_softmax_(y, None, None)
+    return y
+
+
+def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_var,
+                   spec: HeadSpec, training: bool, eps: float) -> Tensor:
+    """The head's math in plain PyTorch ops, without touching running statistics.
+
+    Used to recompute the forward under autograd in the backward pass.
+    """
+    y = F.linear(x, weight, bias)
+    if spec.scale_before_bn:
+        y = y * scale
+    if training:  # batch statistics; the forward already updated the running ones
+        y = F.batch_norm(y, None, None, gamma, beta, True, 0.0, eps)
+    else:
+        y = F.batch_norm(y, running_mean, running_var, gamma, beta, False, 0.0, eps)
+    if not spec.scale_before_bn:
+        y = scale * y
+    if spec.softmax:
+        y = torch.softmax(y, dim=1)
+    return y
+
+
+class _FusedHead(torch.autograd.Function):
+    """Fused forward; backward recomputes the reference math with autograd.
+
+    Recomputing (rather than saving GEMM outputs) keeps the forward's memory
+    at the inference footprint; only the inputs are saved.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gamma, beta, scale, running_mean, running_var,
+                num_batches_tracked, spec, precision, training, momentum, eps):
+        y = _fused_forward(x, weight, bias, gamma, beta, scale, running_mean, running_var,
+                           num_batches_tracked, spec, precision, training, momentum, eps)
+        # In training the running stats were just updated and the backward does not need them.
+        stats = (None, None) if training else (running_mean, running_var)
+        ctx.save_for_backward(x, weight, bias, gamma, beta, scale, *stats)
+        ctx.spec, ctx.training, ctx.eps = spec, training, eps
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        inputs, (running_mean, running_var) = saved[:6], saved[6:]
+        needs = ctx.needs_input_grad[:6]
+        diff = [i for i, need in enumerate(needs) if need]
+
+        def head_of(*diff_inputs):
+            full = list(inputs)
+            for i, t in zip(diff, diff_inputs):
+                full[i] = t
+            return reference_head(*full, running_mean, running_var, ctx.spec, ctx.training,
+                                  ctx.eps)
+
+        # torch.func.vjp rather than torch.autograd.grad: Dynamo can trace it, so
+        # this backward compiles along with the forward under torch.compile.
+        _, vjp = torch.func.vjp(head_of, *(inputs[i] for i in diff))
+        grads = iter(vjp(grad_out))
+        return (*(next(grads) if need else None for need in needs), *([None] * 8))

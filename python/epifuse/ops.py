@@ -1,0 +1,219 @@
+"""Typed wrappers over ``torch.ops.epifuse.*`` plus their CPU and fake kernels.
+
+The schemas and CUDA kernels come from the compiled library (``cpp/ops``).
+This module registers, for every op:
+  * a fake (meta) kernel, so the ops trace under torch.compile / FakeTensor;
+  * a CPU kernel computed with ``fold.py`` in float64, which makes the CPU
+    path the executable spec of the CUDA kernels and lets opcheck run in CI.
+
+Import it only after the library is loaded (``epifuse/__init__.py`` does).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import fold
+
+OP_NAMES = (
+    "epifuse::gemm_affine",
+    "epifuse::gemm_colstats",
+    "epifuse::bn_fold_train",
+    "epifuse::bn_fold_eval",
+    "epifuse::affine_softmax",
+    "epifuse::affine_softmax_",
+    "epifuse::affine_",
+)
+
+_PRECISIONS = ("ieee", "tf32", "")
+
+_ops = torch.ops.epifuse
+# OpOverloads bound once: calling .default skips the overload-packet lookup.
+_gemm_affine = _ops.gemm_affine.default
+_gemm_colstats = _ops.gemm_colstats.default
+_bn_fold_train = _ops.bn_fold_train.default
+_bn_fold_eval = _ops.bn_fold_eval.default
+_affine_softmax = _ops.affine_softmax.default
+_affine_softmax_inplace = _ops.affine_softmax_.default
+_affine_inplace = _ops.affine_.default
+
+
+def has_cuda_kernels() -> bool:
+    """Whether the loaded library has a CUDA kernel for every op."""
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA") for name in OP_NAMES)
+
+
+# --------------------------------------------------------------------------- wrappers
+
+def gemm_affine(x: Tensor, weight: Tensor, a: Tensor, c: Tensor, precision: str) -> Tensor:
+    """``a * (x @ weight.T) + c`` (a, c float32 [N]); output dtype x.dtype, [M, N]."""
+    return _gemm_affine(x, weight, a, c, precision)
+
+
+def gemm_colstats(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``z = x @ weight.T`` and float64 column sums / sums of squares of the fp32 accumulator."""
+    return _gemm_colstats(x, weight, precision)
+
+
+def bn_fold_train(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
+                  gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
+                  post_scale: Optional[Tensor], running_mean: Tensor, running_var: Tensor,
+                  num_batches_tracked: Tensor, momentum: Optional[float],
+                  eps: float) -> tuple[Tensor, Tensor]:
+    """Training fold (float32 a, c); updates the running buffers in place."""
+    return _bn_fold_train(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale,
+                          running_mean, running_var, num_batches_tracked, momentum, eps)
+
+
+def bn_fold_eval(bias: Optional[Tensor], gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
+                 post_scale: Optional[Tensor], running_mean: Tensor, running_var: Tensor,
+                 eps: float) -> tuple[Tensor, Tensor]:
+    """Eval fold (float32 a, c) from the running statistics."""
+    return _bn_fold_eval(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps)
+
+
+def affine_softmax(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> Tensor:
+    """``softmax(a * z + c, dim=1)`` into a new tensor of z's dtype (a, c None: identity)."""
+    return _affine_softmax(z, a, c)
+
+
+def affine_softmax_(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> None:
+    """In-place ``z = softmax(a * z + c, dim=1)``."""
+    _affine_softmax_inplace(z, a, c)
+
+
+def affine_(z: Tensor, a: Tensor, c: Tensor) -> None:
+    """In-place ``z = a * z + c``."""
+    _affine_inplace(z, a, c)
+
+
+# --------------------------------------------------------------------------- CPU kernels
+# Reference semantics in float64, rounded once to the output dtype.
+
+_F64 = torch.float64
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in _PRECISIONS:
+        raise ValueError(f"epifuse: precision must be one of {_PRECISIONS}, got {precision!r}")
+
+
+def _affine64(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> Tensor:
+    y = z.to(_F64)
+    if a is not None:
+        y = y * a.to(_F64)
+    if c is not None:
+        y = y + c.to(_F64)
+    return y
+
+
+def _gemm64(x: Tensor, weight: Tensor) -> Tensor:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"epifuse: expected x [M, K] and weight [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    return x.to(_F64) @ weight.to(_F64).T
+
+
+@torch.library.register_kernel("epifuse::gemm_affine", "cpu")
+def _gemm_affine_cpu(x, weight, a, c, precision):
+    _check_precision(precision)
+    return _affine64(_gemm64(x, weight), a, c).to(x.dtype)
+
+
+@torch.library.register_kernel("epifuse::gemm_colstats", "cpu")
+def _gemm_colstats_cpu(x, weight, precision):
+    _check_precision(precision)
+    z64 = _gemm64(x, weight)
+    colsum, colsumsq = fold.column_stats(z64)
+    return z64.to(x.dtype), colsum, colsumsq
+
+
+@torch.library.register_kernel("epifuse::bn_fold_train", "cpu")
+def _bn_fold_train_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale,
+                       running_mean, running_var, num_batches_tracked, momentum, eps):
+    f = fold.fold_train(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps)
+    fold.update_running_stats(running_mean, running_var, num_batches_tracked, f.mean, f.var,
+                              count, momentum)
+    return f.a.float(), f.c.float()
+
+
+@torch.library.register_kernel("epifuse::bn_fold_eval", "cpu")
+def _bn_fold_eval_cpu(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps):
+    f = fold.fold_eval(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps)
+    return f.a.float(), f.c.float()
+
+
+def _affine_softmax64(z, a, c):
+    if z.dim() != 2:
+        raise ValueError(f"epifuse: expected a 2-D tensor, got {z.dim()}-D")
+    return torch.softmax(_affine64(z, a, c), dim=1)
+
+
+@torch.library.register_kernel("epifuse::affine_softmax", "cpu")
+def _affine_softmax_cpu(z, a, c):
+    return _affine_softmax64(z, a, c).to(z.dtype)
+
+
+@torch.library.register_kernel("epifuse::affine_softmax_", "cpu")
+def _affine_softmax_inplace_cpu(z, a, c):
+    z.copy_(_affine_softmax64(z, a, c))
+
+
+@torch.library.register_kernel("epifuse::affine_", "cpu")
+def _affine_inplace_cpu(z, a, c):
+    z.copy_(_affine64(z, a, c))
+
+
+# --------------------------------------------------------------------------- fake kernels
+# Shapes and dtypes only (the contract's), for FakeTensor / torch.compile tracing.
+
+def _vec_f32(like: Tensor, n) -> Tensor:
+    return like.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.register_fake("epifuse::gemm_affine")
+def _gemm_affine_fake(x, weight, a, c, precision):
+    torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
+    torch._check(x.shape[1] == weight.shape[1], lambda: "x and weight disagree on K")
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.register_fake("epifuse::gemm_colstats")
+def _gemm_colstats_fake(x, weight, precision):
+    torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
+    torch._check(x.shape[1] == weight.shape[1], lambda: "x and weight disagree on K")
+    n = weight.shape[0]
+    return (x.new_empty((x.shape[0], n)), x.new_empty((n,), dtype=_F64),
+            x.new_empty((n,), dtype=_F64))
+
+
+@torch.library.register_fake("epifuse::bn_fold_train")
+def _bn_fold_train_fake(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale,
+                        running_mean, running_var, num_batches_tracked, momentum, eps):
+    n = colsum.shape[0]
+    return _vec_f32(colsum, n), _vec_f32(colsum, n)
+
+
+@torch.library.register_fake("epifuse::bn_fold_eval")
+def _bn_fold_eval_fake(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps):
+    n = gamma.shape[0]
+    return _vec_f32(gamma, n), _vec_f32(gamma, n)
+
+
+@torch.library.register_fake("epifuse::affine_softmax")
+def _affine_softmax_fake(z, a, c):
+    torch._check(z.dim() == 2, lambda: "z must be 2-D")
+    return z.new_empty(z.shape)
+
+
+@torch.library.register_fake("epifuse::affine_softmax_")
+def _affine_softmax_inplace_fake(z, a, c):
+    return None
+
+
+@torch.library.register_fake("epifuse::affine_")
+def _affine_inplace_fake(z, a, c):
+    return None

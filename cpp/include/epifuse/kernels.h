@@ -1,0 +1,95 @@
+// epifuse kernel API: everything the op layer may call.
+//
+// This header is deliberately free of torch (and of CUTLASS): raw pointers, sizes and a
+// cudaStream_t. The CUTLASS translation units behind it are the slow part of the build, so
+// they never see a torch header and can be compiled once, independently of the torch version.
+//
+// Errors: launchers throw std::runtime_error on a failed launch or an internal invariant; the
+// op layer validates user input before calling, so user errors never reach this level.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace epifuse {
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+
+// How a GEMM multiplies. kIEEE: exact fp32 products (FFMA); kTF32: fp32 inputs on the tensor cores
+// with TF32 operands; kNative: 16-bit inputs on the tensor cores. Accumulation is fp32 always.
+enum class MathMode { kIEEE, kTF32, kNative };
+
+// What the GEMM epilogue does with the fp32 accumulator acc[m, n] = sum_k x[m, k] * w[n, k].
+enum class Epilogue {
+  kAffine,       // out[m, n] = a[n] * acc + c[n]
+  kColumnStats,  // out[m, n] = acc; colsum[n] = sum_m acc, colsumsq[n] = sum_m acc^2 (fp64)
+};
+
+struct GemmProblem {
+  int64_t M = 0, N = 0, K = 0;
+  const void* x = nullptr;  int64_t ldx = 0;  // [M, K], row stride ldx, unit column stride
+  const void* w = nullptr;  int64_t ldw = 0;  // [N, K] (nn.Linear weight), row stride ldw
+  void* out = nullptr;      int64_t ldo = 0;  // [M, N], row stride ldo
+  DType dtype = DType::kFloat32;              // of x, w and out alike
+  MathMode math = MathMode::kTF32;
+};
+
+struct EpilogueOperands {
+  const float* a = nullptr;   // kAffine: [N]
+  const float* c = nullptr;   // kAffine: [N]
+  double* colsum = nullptr;   // kColumnStats: [N]
+  double* colsumsq = nullptr; // kColumnStats: [N]
+};
+
+// Which kernel sequence a problem dispatches to, for diagnostics and tests ("sm90_tf32_128x256x32",
+// "simt_fallback", ...). The same problem always gets the same plan.
+const char* gemm_plan_name(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
+
+// Device workspace bytes the plan needs (0 when none). Allocate with any allocator, 16-byte aligned.
+size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
+
+// Runs the GEMM and its epilogue on `stream`. `workspace` holds gemm_workspace_bytes(...) bytes.
+void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, void* workspace,
+              int device, int device_cc_major, int device_cc_minor, cudaStream_t stream);
+
+// ---- BatchNorm fold: per-column (a, c) from statistics and parameters -------------------------
+// Parameter vectors share one dtype (the model's); scales have numel 1 or N; any pointer marked
+// optional may be null. See python/epifuse/fold.py, the reference for this math.
+struct FoldProblem {
+  int64_t N = 0;
+  DType param_dtype = DType::kFloat32;
+  const void* bias = nullptr;        // optional [N]
+  const void* gamma = nullptr;       // [N]
+  const void* beta = nullptr;        // [N]
+  const void* pre_scale = nullptr;   // optional, numel pre_scale_numel
+  int64_t pre_scale_numel = 0;
+  const void* post_scale = nullptr;  // optional, numel post_scale_numel
+  int64_t post_scale_numel = 0;
+  double eps = 1e-5;
+  float* a = nullptr;                // out [N]
+  float* c = nullptr;                // out [N]
+};
+
+// Training: batch statistics from colsum/colsumsq over `count` rows; updates the running statistics
+// in place (running_mean/var in param dtype, num_batches_tracked int64). momentum < 0 means None
+// (cumulative average).
+void bn_fold_train(const FoldProblem& f, const double* colsum, const double* colsumsq, int64_t count,
+                   void* running_mean, void* running_var, int64_t* num_batches_tracked,
+                   double momentum, cudaStream_t stream);
+
+// Eval: running statistics (param dtype, read only).
+void bn_fold_eval(const FoldProblem& f, const void* running_mean, const void* running_var,
+                  cudaStream_t stream);
+
+// ---- Row passes over an [M, N] matrix with row stride ld ---------------------------------------
+// out = softmax(a[n] * in + c[n]) along each row; a, c may be null (identity). in may equal out.
+void affine_softmax(DType dtype, int64_t M, int64_t N, const void* in, int64_t ld_in, void* out,
+                    int64_t ld_out, const float* a, const float* c, cudaStream_t stream);
+
+// z = a[n] * z + c[n] in place.
+void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
+                   const float* c, cudaStream_t stream);
+
+}  // namespace epifuse

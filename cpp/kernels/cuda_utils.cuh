@@ -1,0 +1,56 @@
+// Small helpers shared by the hand-written (non-CUTLASS) kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "epifuse/kernels.h"
+
+namespace epifuse {
+
+// Throws with the kernel's name when a launch failed (bad configuration, no kernel image for this
+// GPU, ...). Asynchronous faults surface at the next synchronizing call, as with any CUDA op.
+inline void check_launch(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("epifuse: ") + what + " launch failed: " +
+                             cudaGetErrorString(err));
+}
+
+// Element conversions to and from the fp32 the kernels compute in.
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <class T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Calls fn with a value of the CUDA element type of `dtype` (only its type matters).
+template <class Fn>
+void dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: fn(float{}); return;
+    case DType::kFloat16: fn(__half{}); return;
+    case DType::kBFloat16: fn(__nv_bfloat16{}); return;
+  }
+  throw std::runtime_error("epifuse: unknown dtype");
+}
+
+// 16-byte vector of T, the unit of the row passes' global memory accesses.
+template <class T>
+struct alignas(16) Vec16 {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace epifuse

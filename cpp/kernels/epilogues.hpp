@@ -1,0 +1,81 @@
+// Epilogue visitor trees (EVTs) of the epifuse GEMMs, composed from CUTLASS's Sm90 visitor nodes.
+//
+// The GEMM computes the fp32 accumulator acc[m, n] = sum_k x[m, k] * w[n, k]. Everything the head
+// does after the Linear layer is per column, so it is one of two trees over acc:
+//
+//   PerColumnAffine   (eval mode)      D = a[n] * acc + c[n]
+//   ColumnStatistics  (training mode)  D = acc,  colsum[n] += acc,  colsumsq[n] += acc^2
+//
+// Training needs the batch statistics before the affine can be folded, so it stores acc and a
+// later bandwidth-bound pass applies (a, c). The statistics are reduced in fp64: when a column's
+// mean dwarfs its spread (|mean|/std >= 1e3), var = E[acc^2] - E[acc]^2 cancels ~6 digits, which
+// fp32 sums cannot afford but fp64 sums of the (exact) fp32 accumulators can.
+#pragma once
+
+#include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_store_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/functional.h"
+
+namespace epifuse::evt {
+
+using namespace cute;
+using cutlass::FloatRoundStyle;
+namespace fusion = cutlass::epilogue::fusion;
+
+constexpr auto kRound = FloatRoundStyle::round_to_nearest;
+
+// A per-column fp32 vector (a or c), broadcast down the rows of the tile.
+template <class CtaTileShapeMNK>
+using ColumnVector = fusion::Sm90RowBroadcast<0, CtaTileShapeMNK, float, float>;
+
+// ---- eval: D = a[n] * acc + c[n] ---------------------------------------------------------------
+template <class CtaTileShapeMNK, class ElementD>
+using PerColumnAffine =
+    fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, kRound>,
+                    ColumnVector<CtaTileShapeMNK>,  // a[n]
+                    fusion::Sm90AccFetch,           // acc
+                    ColumnVector<CtaTileShapeMNK>>; // c[n]
+
+// Arguments in the tree's order: {a, acc, c, multiply_add}.
+template <class Fusion>
+typename Fusion::Arguments per_column_affine_args(const float* a, const float* c) {
+  return {{a}, {}, {c}, {}};
+}
+
+// ---- training: D = acc, per-column sum and sum of squares in fp64 -----------------------------
+
+// Register-level step of the sum of squares: r += x * x (the shuffle/smem/gmem steps are plain sums).
+template <class T>
+struct AccumulateSquare {
+  CUTLASS_HOST_DEVICE T operator()(T const& running, T const& x) const { return running + x * x; }
+};
+
+// Keeps the first operand: the root of ColumnStatistics stores acc and discards the pass-through
+// value of the sum-of-squares branch (each reduction node returns its input unchanged).
+template <class T>
+struct FirstOperand {
+  CUTLASS_HOST_DEVICE T operator()(T const& first, T const&) const { return first; }
+};
+
+// Per-column reduction over the rows of the problem, fp64, reduced to [N] in a final
+// deterministic pass by the last CTA of each column tile (FinalReduction = true).
+template <template <class> class RegReduce, class CtaTileShapeMNK>
+using ColumnReduction =
+    fusion::Sm90RowReduction<RegReduce, cutlass::plus, cutlass::plus, 0, CtaTileShapeMNK,
+                             double, double, kRound>;
+
+template <class CtaTileShapeMNK, class ElementD>
+using ColumnStatistics = fusion::Sm90EVT<
+    fusion::Sm90Compute<FirstOperand, ElementD, float, kRound>,                              // D = acc
+    fusion::Sm90EVT<ColumnReduction<cutlass::plus, CtaTileShapeMNK>, fusion::Sm90AccFetch>,   // colsum
+    fusion::Sm90EVT<ColumnReduction<AccumulateSquare, CtaTileShapeMNK>, fusion::Sm90AccFetch>>; // colsumsq
+
+// Arguments in the tree's order: {{acc, colsum}, {acc, colsumsq}, first-operand}.
+template <class Fusion>
+typename Fusion::Arguments column_statistics_args(double* colsum, double* colsumsq) {
+  return {{{}, {colsum, 0.0}}, {{}, {colsumsq, 0.0}}, {}};
+}
+
+}  // namespace epifuse::evt

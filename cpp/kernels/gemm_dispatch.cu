@@ -1,0 +1,126 @@
+// Chooses the kernel sequence for a GEMM + epilogue problem. The only place with shape heuristics.
+//
+//   Hopper (sm_90), TF32 or 16-bit math, TMA-compatible rows (16-byte aligned K, N and leading
+//   dimensions and base pointers):   one CUTLASS sm90 GEMM with the epilogue fused (epilogues.hpp).
+//   Anything else (IEEE fp32, ragged alignment, another GPU): the portable SIMT GEMM writing z,
+//   then the epilogue as a separate pass (column_stats.cu / column_affine.cu).
+#include <array>
+#include <climits>
+#include <string>
+
+#include "cuda_utils.cuh"
+#include "fallback.hpp"
+#include "sm90_gemm_configs.hpp"
+
+namespace epifuse {
+namespace {
+
+enum class Plan { kEmpty, kFallback, kSm90Tf32, kSm90Bf16, kSm90Fp16 };
+
+bool tma_compatible(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops) {
+  const int64_t align = p.dtype == DType::kFloat32 ? 4 : 8;  // elements per 16 bytes
+  if (p.K % align || p.N % align || p.ldx % align || p.ldw % align || p.ldo % align) return false;
+  if (!is_aligned16(p.x) || !is_aligned16(p.w) || !is_aligned16(p.out)) return false;
+  if (p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX) return false;
+  if (ops != nullptr) {  // the epilogue's per-column vectors are read / written as 16-byte vectors
+    if (e == Epilogue::kAffine && !(is_aligned16(ops->a) && is_aligned16(ops->c))) return false;
+    if (e == Epilogue::kColumnStats && !(is_aligned16(ops->colsum) && is_aligned16(ops->colsumsq)))
+      return false;
+  }
+  return true;
+}
+
+Plan choose_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops, int cc_major,
+                 int cc_minor) {
+  if (p.M == 0 || p.N == 0) return Plan::kEmpty;
+  const bool hopper = cc_major == 9 && cc_minor == 0;
+  if (!hopper || p.K == 0 || !tma_compatible(p, e, ops)) return Plan::kFallback;
+  switch (p.dtype) {
+    case DType::kFloat32: return p.math == MathMode::kTF32 ? Plan::kSm90Tf32 : Plan::kFallback;
+    case DType::kBFloat16: return Plan::kSm90Bf16;
+    case DType::kFloat16: return Plan::kSm90Fp16;
+  }
+  return Plan::kFallback;
+}
+
+int sm_count(int device) {
+  static std::array<int, 128> cache{};  // benign race: every writer stores the same value
+  if (device < 0 || device >= int(cache.size())) return 0;
+  if (cache[device] == 0) {
+    int count = 0;
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    cache[device] = count;
+  }
+  return cache[device];
+}
+
+// Calls fn(AffineConfig, ColumnStatsConfig) for a tensor-core plan.
+template <class Fn>
+void with_sm90_configs(Plan plan, Fn&& fn) {
+  switch (plan) {
+    case Plan::kSm90Tf32: return fn(sm90::Tf32Wide{}, sm90::Tf32Square{});
+    case Plan::kSm90Bf16: return fn(sm90::Bf16Wide{}, sm90::Bf16Square{});
+    case Plan::kSm90Fp16: return fn(sm90::Fp16Wide{}, sm90::Fp16Square{});
+    default: throw std::logic_error("epifuse: not a tensor-core plan");
+  }
+}
+
+}  // namespace
+
+const char* gemm_plan_name(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
+  const bool affine = e == Epilogue::kAffine;
+  switch (choose_plan(p, e, nullptr, cc_major, cc_minor)) {
+    case Plan::kEmpty: return "empty";
+    case Plan::kFallback: return affine ? "simt_gemm+column_affine" : "simt_gemm+column_stats";
+    case Plan::kSm90Tf32: return affine ? "sm90_tf32_128x256x32_affine" : "sm90_tf32_128x128x32_colstats";
+    case Plan::kSm90Bf16: return affine ? "sm90_bf16_128x256x64_affine" : "sm90_bf16_128x128x64_colstats";
+    case Plan::kSm90Fp16: return affine ? "sm90_fp16_128x256x64_affine" : "sm90_fp16_128x128x64_colstats";
+  }
+  return "unknown";
+}
+
+size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
+  const Plan plan = choose_plan(p, e, nullptr, cc_major, cc_minor);
+  if (plan == Plan::kEmpty || plan == Plan::kFallback) return 0;
+  int device = 0;
+  cudaGetDevice(&device);
+  size_t bytes = 0;
+  with_sm90_configs(plan, [&](auto affine_cfg, auto stats_cfg) {
+    bytes = e == Epilogue::kAffine
+                ? sm90::affine_workspace_bytes<decltype(affine_cfg)>(p, sm_count(device))
+                : sm90::column_stats_workspace_bytes<decltype(stats_cfg)>(p, sm_count(device));
+  });
+  return bytes;
+}
+
+void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, void* workspace,
+              int device, int cc_major, int cc_minor, cudaStream_t stream) {
+  // The plan must not depend on `ops` beyond what gemm_workspace_bytes saw: a misaligned vector
+  // downgrades to the fallback, which needs no workspace, so the caller's buffer is always enough.
+  const Plan plan = choose_plan(p, e, &ops, cc_major, cc_minor);
+  if (plan == Plan::kEmpty) {
+    if (e == Epilogue::kColumnStats && p.N > 0) {  // no rows: the sums are zero
+      cudaMemsetAsync(ops.colsum, 0, sizeof(double) * p.N, stream);
+      cudaMemsetAsync(ops.colsumsq, 0, sizeof(double) * p.N, stream);
+    }
+    return;
+  }
+  if (plan == Plan::kFallback) {
+    fallback::gemm(p, stream);
+    if (e == Epilogue::kAffine) {
+      column_affine(p.dtype, p.M, p.N, p.out, p.ldo, ops.a, ops.c, stream);
+    } else {
+      fallback::column_stats(p.dtype, p.M, p.N, p.out, p.ldo, ops.colsum, ops.colsumsq, stream);
+    }
+    return;
+  }
+  with_sm90_configs(plan, [&](auto affine_cfg, auto stats_cfg) {
+    if (e == Epilogue::kAffine) {
+      sm90::run_affine<decltype(affine_cfg)>(p, ops, workspace, device, sm_count(device), stream);
+    } else {
+      sm90::run_column_stats<decltype(stats_cfg)>(p, ops, workspace, device, sm_count(device), stream);
+    }
+  });
+}
+
+}  // namespace epifuse

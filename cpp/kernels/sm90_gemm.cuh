@@ -1,0 +1,145 @@
+// One Hopper GEMM (TMA + wgmma, warp-specialized cooperative, persistent) with an epilogue tree:
+//   D[m, n] = EVT(acc[m, n]),  acc = x[M, K] . w[N, K]^T in fp32.
+// x is row-major (K-major) and w is the nn.Linear weight as stored ([N, K], K-major), which is what
+// TF32 wgmma requires and what lets us skip transpose copies. Built with CUTLASS's CollectiveBuilder
+// (see CUTLASS example 49); the tile configurations live in sm90_gemm_configs.hpp.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+
+#include "epifuse/kernels.h"
+#include "epilogues.hpp"
+
+namespace epifuse::sm90 {
+
+using namespace cute;
+
+template <class ElementIn_, class TileShape_, class ClusterShape_>
+struct TileConfig {
+  using ElementIn = ElementIn_;
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+};
+
+// FusionOf<TileShape, ElementD> is an EVT from epilogues.hpp.
+template <class Config, template <class, class> class FusionOf>
+struct GemmKernel {
+  using ElementIn = typename Config::ElementIn;
+  using ElementD = ElementIn;  // the GEMM output keeps the input dtype
+  using TileShape = typename Config::TileShape;
+  using ClusterShape = typename Config::ClusterShape;
+  using Fusion = FusionOf<TileShape, ElementD>;
+
+  static constexpr int kAlignIn = 16 / sizeof(ElementIn);  // TMA: 16-byte aligned rows
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, cutlass::layout::RowMajor, kAlignD,        // no C operand
+      ElementD, cutlass::layout::RowMajor, kAlignD,
+      cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+      ElementIn, cutlass::layout::RowMajor, kAlignIn,     // x: [M, K], K-major
+      ElementIn, cutlass::layout::ColumnMajor, kAlignIn,  // w: [N, K], K-major
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
+                                                      CollectiveEpilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Arguments = typename Gemm::Arguments;
+
+  static Arguments make_arguments(const GemmProblem& p, typename Fusion::Arguments fusion_args,
+                                  int device, int sm_count) {
+    using StrideA = typename Kernel::StrideA;
+    using StrideB = typename Kernel::StrideB;
+    using StrideC = typename Kernel::StrideC;
+    using StrideD = typename Kernel::StrideD;
+    StrideA stride_x = make_stride(p.ldx, Int<1>{}, int64_t(0));
+    StrideB stride_w = make_stride(p.ldw, Int<1>{}, int64_t(0));
+    StrideD stride_out = make_stride(p.ldo, Int<1>{}, int64_t(0));
+    cutlass::KernelHardwareInfo hw_info{device, sm_count};
+    return Arguments{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {int(p.M), int(p.N), int(p.K), 1},
+        {static_cast<const ElementIn*>(p.x), stride_x, static_cast<const ElementIn*>(p.w), stride_w},
+        {fusion_args, nullptr, StrideC{}, static_cast<ElementD*>(p.out), stride_out},
+        hw_info};
+  }
+
+  static size_t workspace_bytes(const GemmProblem& p, int sm_count) {
+    // The workspace (the column reductions' partials and tile counters) depends on the shape only.
+    return Gemm::get_workspace_size(make_arguments(p, {}, 0, sm_count));
+  }
+
+  static void run(const GemmProblem& p, typename Fusion::Arguments fusion_args, void* workspace,
+                  int device, int sm_count, cudaStream_t stream) {
+    Arguments args = make_arguments(p, fusion_args, device, sm_count);
+    Gemm gemm;
+    cutlass::Status status = gemm.can_implement(args);
+    if (status != cutlass::Status::kSuccess)
+      throw std::runtime_error(std::string("epifuse: CUTLASS cannot implement this GEMM: ") +
+                               cutlassGetStatusString(status));
+    status = gemm.initialize(args, workspace, stream);
+    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+    if (status != cutlass::Status::kSuccess)
+      throw std::runtime_error(std::string("epifuse: CUTLASS GEMM launch failed: ") +
+                               cutlassGetStatusString(status) + " (" +
+                               cudaGetErrorString(cudaGetLastError()) + ")");
+  }
+};
+
+// Entry points, explicitly instantiated once per configuration in the sm90_gemm_*.cu translation
+// units (declared `extern template` in sm90_gemm_configs.hpp so the dispatcher never instantiates a
+// kernel itself).
+template <class Config>
+size_t affine_workspace_bytes(const GemmProblem& p, int sm_count) {
+  return GemmKernel<Config, evt::PerColumnAffine>::workspace_bytes(p, sm_count);
+}
+
+template <class Config>
+void run_affine(const GemmProblem& p, const EpilogueOperands& ops, void* workspace, int device,
+                int sm_count, cudaStream_t stream) {
+  using K = GemmKernel<Config, evt::PerColumnAffine>;
+  K::run(p, evt::per_column_affine_args<typename K::Fusion>(ops.a, ops.c), workspace, device,
+         sm_count, stream);
+}
+
+template <class Config>
+size_t column_stats_workspace_bytes(const GemmProblem& p, int sm_count) {
+  return GemmKernel<Config, evt::ColumnStatistics>::workspace_bytes(p, sm_count);
+}
+
+template <class Config>
+void run_column_stats(const GemmProblem& p, const EpilogueOperands& ops, void* workspace, int device,
+                      int sm_count, cudaStream_t stream) {
+  using K = GemmKernel<Config, evt::ColumnStatistics>;
+  K::run(p, evt::column_statistics_args<typename K::Fusion>(ops.colsum, ops.colsumsq), workspace,
+         device, sm_count, stream);
+}
+
+#define EPIFUSE_SM90_INSTANTIATE_AFFINE(Config)                                                  \
+  template size_t affine_workspace_bytes<Config>(const GemmProblem&, int);                       \
+  template void run_affine<Config>(const GemmProblem&, const EpilogueOperands&, void*, int, int, \
+                                   cudaStream_t);
+
+#define EPIFUSE_SM90_INSTANTIATE_COLUMN_STATS(Config)                                            \
+  template size_t column_stats_workspace_bytes<Config>(const GemmProblem&, int);                 \
+  template void run_column_stats<Config>(const GemmProblem&, const EpilogueOperands&, void*, int, \
+                                         int, cudaStream_t);
+
+}  // namespace epifuse::sm90

@@ -1,0 +1,377 @@
+// torch.ops.epifuse.*: the op schemas and their CUDA implementations.
+//
+// This is the only C++ that sees torch. Each op validates its arguments the way PyTorch's own ops
+// do (same exception types, messages naming the problem), allocates outputs and workspaces from the
+// caching allocator, and calls the torch-free launchers of epifuse/kernels.h on the current stream.
+// No op synchronizes with the host, so every op can be captured in a CUDA graph.
+//
+// CPU kernels and fake (meta) kernels are registered from Python (python/epifuse/ops.py), where the
+// reference math lives.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+#include <utility>
+#include <string>
+
+#include "epifuse/kernels.h"
+
+namespace epifuse {
+namespace {
+
+DType to_dtype(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default:
+      TORCH_CHECK(false, "epifuse::", op, " not implemented for '", t.scalar_type(),
+                  "' (expected Float, Half or BFloat16)");
+  }
+  return DType::kFloat32;  // unreachable
+}
+
+void check_cuda(const at::Tensor& t, const char* op, const char* name, const at::Tensor& ref) {
+  TORCH_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
+              t.device());
+  TORCH_CHECK(t.device() == ref.device(),
+              "Expected all tensors to be on the same device, but found at least two devices, ",
+              ref.device(), " and ", t.device(), "! (epifuse::", op, ", argument ", name, ")");
+}
+
+// A per-column fp32 vector of length n, contiguous (a copy only if the caller passed a view).
+at::Tensor column_vector(const at::Tensor& v, int64_t n, const char* op, const char* name,
+                         const at::Tensor& ref) {
+  check_cuda(v, op, name, ref);
+  TORCH_CHECK(v.scalar_type() == at::kFloat, "epifuse::", op, ": expected ", name,
+              " to be float32, got ", v.scalar_type());
+  TORCH_CHECK(v.dim() == 1 && v.size(0) == n, "epifuse::", op, ": expected ", name,
+              " of shape [", n, "], got ", v.sizes());
+  return v.contiguous();
+}
+
+MathMode math_mode(const std::string& precision, DType dtype, const char* op) {
+  TORCH_CHECK_VALUE(precision == "ieee" || precision == "tf32" || precision.empty(), "epifuse::", op,
+                    ": precision must be 'ieee', 'tf32' or '' (16-bit inputs), got '", precision,
+                    "'");
+  if (dtype != DType::kFloat32) return MathMode::kNative;
+  TORCH_CHECK_VALUE(!precision.empty(), "epifuse::", op,
+                    ": float32 inputs need precision 'ieee' or 'tf32'");
+  return precision == "tf32" ? MathMode::kTF32 : MathMode::kIEEE;
+}
+
+// Row-major with unit column stride: what the kernels take without a copy.
+at::Tensor rows_with_unit_stride(const at::Tensor& t) {
+  const bool ok = t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(t.size(1), 1);
+  return ok ? t : t.contiguous();
+}
+
+struct PreparedGemm {
+  GemmProblem problem;
+  at::Tensor x, w, out;  // keep the (possibly copied) operands alive
+};
+
+PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const std::string& precision,
+                          const char* op) {
+  TORCH_CHECK(x_in.dim() == 2, "epifuse::", op, ": expected x to be 2-D [M, K], got ",
+              x_in.dim(), "-D");
+  TORCH_CHECK(w_in.dim() == 2, "epifuse::", op, ": expected weight to be 2-D [N, K], got ",
+              w_in.dim(), "-D");
+  check_cuda(x_in, op, "x", x_in);
+  check_cuda(w_in, op, "weight", x_in);
+  TORCH_CHECK(x_in.scalar_type() == w_in.scalar_type(),
+              "mat1 and mat2 must have the same dtype, but got ", x_in.scalar_type(), " and ",
+              w_in.scalar_type());
+  TORCH_CHECK(x_in.size(1) == w_in.size(1), "mat1 and mat2 shapes cannot be multiplied (",
+              x_in.size(0), "x", x_in.size(1), " and ", w_in.size(1), "x", w_in.size(0), ")");
+  const DType dtype = to_dtype(x_in, op);
+  PreparedGemm g;
+  g.x = rows_with_unit_stride(x_in);
+  g.w = rows_with_unit_stride(w_in);
+  const int64_t M = g.x.size(0), K = g.x.size(1), N = g.w.size(0);
+  g.out = at::empty({M, N}, g.x.options());
+  g.problem.M = M;
+  g.problem.N = N;
+  g.problem.K = K;
+  g.problem.x = g.x.data_ptr();
+  g.problem.ldx = g.x.stride(0);
+  g.problem.w = g.w.data_ptr();
+  g.problem.ldw = g.w.stride(0);
+  g.problem.out = g.out.data_ptr();
+  g.problem.ldo = std::max<int64_t>(N, 1);
+  g.problem.dtype = dtype;
+  g.problem.math = math_mode(precision, dtype, op);
+  return g;
+}
+
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// Compute capability of a device, queried once (the kernels dispatch on it).
+std::pair<int, int> compute_capability(int device) {
+  static std::array<std::pair<int, int>, 128> cache{};  // benign race: writers agree
+  TORCH_CHECK(device >= 0 && device < int(cache.size()), "epifuse: unsupported device index ", device);
+  if (cache[device].first == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    cache[device] = {major, minor};
+  }
+  return cache[device];
+}
+
+void run_gemm(const PreparedGemm& g, Epilogue e, const EpilogueOperands& ops) {
+  const int device = g.x.get_device();
+  const auto [major, minor] = compute_capability(device);
+  const size_t bytes = gemm_workspace_bytes(g.problem, e, major, minor);
+  at::Tensor workspace;
+  if (bytes > 0) workspace = at::empty({int64_t(bytes)}, g.x.options().dtype(at::kByte));
+  gemm_run(g.problem, e, ops, bytes > 0 ? workspace.data_ptr() : nullptr, device, major, minor,
+           current_stream());
+}
+
+at::Tensor gemm_affine_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& a,
+                            const at::Tensor& c, c10::string_view precision) {
+  const char* op = "gemm_affine";
+  c10::cuda::CUDAGuard guard(x.device());
+  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), op);
+  const at::Tensor a32 = column_vector(a, g.problem.N, op, "a", x);
+  const at::Tensor c32 = column_vector(c, g.problem.N, op, "c", x);
+  EpilogueOperands ops;
+  ops.a = a32.data_ptr<float>();
+  ops.c = c32.data_ptr<float>();
+  run_gemm(g, Epilogue::kAffine, ops);
+  return g.out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_colstats_cuda(const at::Tensor& x,
+                                                                  const at::Tensor& weight,
+                                                                  c10::string_view precision) {
+  const char* op = "gemm_colstats";
+  c10::cuda::CUDAGuard guard(x.device());
+  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), op);
+  auto stats_options = g.x.options().dtype(at::kDouble);
+  at::Tensor colsum = at::empty({g.problem.N}, stats_options);
+  at::Tensor colsumsq = at::empty({g.problem.N}, stats_options);
+  EpilogueOperands ops;
+  ops.colsum = colsum.data_ptr<double>();
+  ops.colsumsq = colsumsq.data_ptr<double>();
+  run_gemm(g, Epilogue::kColumnStats, ops);
+  return {g.out, colsum, colsumsq};
+}
+
+// ---- fold ----------------------------------------------------------------------------------
+
+// Validates the parameter vectors (one dtype, on one device, contiguous) into a FoldProblem.
+FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
+                         const at::Tensor& beta, const std::optional<at::Tensor>& pre_scale,
+                         const std::optional<at::Tensor>& post_scale, double eps, const char* op) {
+  TORCH_CHECK(gamma.dim() == 1, "epifuse::", op, ": expected gamma to be 1-D, got ", gamma.sizes());
+  const int64_t N = gamma.size(0);
+  const auto dtype = gamma.scalar_type();
+  auto check_param = [&](const at::Tensor& t, const char* name, bool scale) {
+    check_cuda(t, op, name, gamma);
+    TORCH_CHECK(t.scalar_type() == dtype, "epifuse::", op, ": expected ", name, " to have dtype ",
+                dtype, " like gamma, got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), "epifuse::", op, ": expected ", name, " to be contiguous");
+    if (scale) {
+      TORCH_CHECK(t.numel() == 1 || (t.dim() == 1 && t.numel() == N), "epifuse::", op,
+                  ": expected ", name, " to have 1 or ", N, " elements (one per column), got shape ",
+                  t.sizes());
+    } else {
+      TORCH_CHECK(t.dim() == 1 && t.numel() == N, "epifuse::", op, ": expected ", name,
+                  " of shape [", N, "], got ", t.sizes());
+    }
+  };
+  check_param(gamma, "gamma", false);
+  check_param(beta, "beta", false);
+  if (bias) check_param(*bias, "bias", false);
+  if (pre_scale) check_param(*pre_scale, "pre_scale", true);
+  if (post_scale) check_param(*post_scale, "post_scale", true);
+  TORCH_CHECK_VALUE(eps >= 0, "epifuse::", op, ": eps must be non-negative, got ", eps);
+
+  FoldProblem f;
+  f.N = N;
+  f.param_dtype = to_dtype(gamma, op);
+  f.bias = bias ? bias->data_ptr() : nullptr;
+  f.gamma = gamma.data_ptr();
+  f.beta = beta.data_ptr();
+  f.pre_scale = pre_scale ? pre_scale->data_ptr() : nullptr;
+  f.pre_scale_numel = pre_scale ? pre_scale->numel() : 0;
+  f.post_scale = post_scale ? post_scale->data_ptr() : nullptr;
+  f.post_scale_numel = post_scale ? post_scale->numel() : 0;
+  f.eps = eps;
+  return f;
+}
+
+void check_running(const at::Tensor& t, const char* name, const at::Tensor& gamma, const char* op) {
+  check_cuda(t, op, name, gamma);
+  TORCH_CHECK(t.scalar_type() == gamma.scalar_type(), "epifuse::", op, ": expected ", name,
+              " to have dtype ", gamma.scalar_type(), " like gamma, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous() && t.dim() == 1 && t.size(0) == gamma.size(0), "epifuse::", op,
+              ": expected ", name, " to be a contiguous [", gamma.size(0), "] tensor, got ",
+              t.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> fold_outputs(const at::Tensor& gamma, FoldProblem& f) {
+  auto options = gamma.options().dtype(at::kFloat);
+  at::Tensor a = at::empty({f.N}, options);
+  at::Tensor c = at::empty({f.N}, options);
+  f.a = a.data_ptr<float>();
+  f.c = c.data_ptr<float>();
+  return {a, c};
+}
+
+std::tuple<at::Tensor, at::Tensor> bn_fold_train_cuda(
+    const at::Tensor& colsum, const at::Tensor& colsumsq, int64_t count,
+    const std::optional<at::Tensor>& bias, const at::Tensor& gamma, const at::Tensor& beta,
+    const std::optional<at::Tensor>& pre_scale, const std::optional<at::Tensor>& post_scale,
+    const at::Tensor& running_mean, const at::Tensor& running_var,
+    const at::Tensor& num_batches_tracked, std::optional<double> momentum, double eps) {
+  const char* op = "bn_fold_train";
+  c10::cuda::CUDAGuard guard(gamma.device());
+  FoldProblem f = prepare_fold(bias, gamma, beta, pre_scale, post_scale, eps, op);
+  TORCH_CHECK_VALUE(count > 1, "Expected more than 1 value per channel when training, got ", count,
+                    " rows");
+  for (const at::Tensor* s : {&colsum, &colsumsq}) {
+    check_cuda(*s, op, "colsum/colsumsq", gamma);
+    TORCH_CHECK(s->scalar_type() == at::kDouble && s->is_contiguous() && s->dim() == 1 &&
+                    s->size(0) == f.N,
+                "epifuse::", op, ": expected colsum and colsumsq to be contiguous float64 [", f.N,
+                "] tensors, got ", s->scalar_type(), " ", s->sizes());
+  }
+  check_running(running_mean, "running_mean", gamma, op);
+  check_running(running_var, "running_var", gamma, op);
+  check_cuda(num_batches_tracked, op, "num_batches_tracked", gamma);
+  TORCH_CHECK(num_batches_tracked.scalar_type() == at::kLong && num_batches_tracked.numel() == 1,
+              "epifuse::", op, ": expected num_batches_tracked to be a one-element int64 tensor");
+  if (momentum) {
+    TORCH_CHECK_VALUE(*momentum >= 0 && *momentum <= 1, "epifuse::", op,
+                      ": momentum must be in [0, 1] or None, got ", *momentum);
+  }
+  auto outputs = fold_outputs(gamma, f);
+  bn_fold_train(f, colsum.data_ptr<double>(), colsumsq.data_ptr<double>(), count,
+                running_mean.data_ptr(), running_var.data_ptr(),
+                num_batches_tracked.data_ptr<int64_t>(), momentum ? *momentum : -1.0,
+                current_stream());
+  return outputs;
+}
+
+std::tuple<at::Tensor, at::Tensor> bn_fold_eval_cuda(
+    const std::optional<at::Tensor>& bias, const at::Tensor& gamma, const at::Tensor& beta,
+    const std::optional<at::Tensor>& pre_scale, const std::optional<at::Tensor>& post_scale,
+    const at::Tensor& running_mean, const at::Tensor& running_var, double eps) {
+  const char* op = "bn_fold_eval";
+  c10::cuda::CUDAGuard guard(gamma.device());
+  FoldProblem f = prepare_fold(bias, gamma, beta, pre_scale, post_scale, eps, op);
+  check_running(running_mean, "running_mean", gamma, op);
+  check_running(running_var, "running_var", gamma, op);
+  auto outputs = fold_outputs(gamma, f);
+  bn_fold_eval(f, running_mean.data_ptr(), running_var.data_ptr(), current_stream());
+  return outputs;
+}
+
+// ---- row passes ----------------------------------------------------------------------------
+
+struct AffinePair {
+  at::Tensor a, c;  // both undefined = identity
+};
+
+AffinePair optional_affine(const at::Tensor& z, const std::optional<at::Tensor>& a,
+                           const std::optional<at::Tensor>& c, const char* op) {
+  TORCH_CHECK(a.has_value() == c.has_value(), "epifuse::", op,
+              ": pass both a and c, or neither (plain softmax)");
+  if (!a) return {};
+  return {column_vector(*a, z.size(1), op, "a", z), column_vector(*c, z.size(1), op, "c", z)};
+}
+
+void check_matrix(const at::Tensor& z, const char* op) {
+  TORCH_CHECK(z.dim() == 2, "epifuse::", op, ": expected a 2-D tensor, got ", z.dim(), "-D");
+  check_cuda(z, op, "z", z);
+  to_dtype(z, op);
+}
+
+void softmax_into(const at::Tensor& src, const at::Tensor& dst, const AffinePair& ac) {
+  const float* a = ac.a.defined() ? ac.a.data_ptr<float>() : nullptr;
+  const float* c = ac.c.defined() ? ac.c.data_ptr<float>() : nullptr;
+  affine_softmax(to_dtype(src, "affine_softmax"), src.size(0), src.size(1), src.data_ptr(),
+                 src.stride(0), dst.data_ptr(), dst.stride(0), a, c, current_stream());
+}
+
+at::Tensor affine_softmax_cuda(const at::Tensor& z, const std::optional<at::Tensor>& a,
+                               const std::optional<at::Tensor>& c) {
+  const char* op = "affine_softmax";
+  check_matrix(z, op);
+  c10::cuda::CUDAGuard guard(z.device());
+  const AffinePair ac = optional_affine(z, a, c, op);
+  const at::Tensor src = rows_with_unit_stride(z);
+  at::Tensor out = at::empty(z.sizes(), z.options().memory_format(at::MemoryFormat::Contiguous));
+  softmax_into(src, out, ac);
+  return out;
+}
+
+void affine_softmax_inplace_cuda(const at::Tensor& z, const std::optional<at::Tensor>& a,
+                                 const std::optional<at::Tensor>& c) {
+  const char* op = "affine_softmax_";
+  check_matrix(z, op);
+  c10::cuda::CUDAGuard guard(z.device());
+  const AffinePair ac = optional_affine(z, a, c, op);
+  if (z.numel() == 0) return;
+  if (z.stride(1) == 1 && z.stride(0) >= z.size(1)) {
+    softmax_into(z, z, ac);
+  } else {  // strided view: compute densely, then write back through the view
+    at::Tensor dense = z.contiguous();
+    softmax_into(dense, dense, ac);
+    z.copy_(dense);
+  }
+}
+
+void affine_inplace_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tensor& c) {
+  const char* op = "affine_";
+  check_matrix(z, op);
+  c10::cuda::CUDAGuard guard(z.device());
+  const at::Tensor a32 = column_vector(a, z.size(1), op, "a", z);
+  const at::Tensor c32 = column_vector(c, z.size(1), op, "c", z);
+  if (z.numel() == 0) return;
+  auto stream = current_stream();
+  if (z.stride(1) == 1 && z.stride(0) >= z.size(1)) {
+    column_affine(to_dtype(z, op), z.size(0), z.size(1), z.data_ptr(), z.stride(0),
+                  a32.data_ptr<float>(), c32.data_ptr<float>(), stream);
+  } else {
+    at::Tensor dense = z.contiguous();
+    column_affine(to_dtype(z, op), dense.size(0), dense.size(1), dense.data_ptr(), dense.stride(0),
+                  a32.data_ptr<float>(), c32.data_ptr<float>(), stream);
+    z.copy_(dense);
+  }
+}
+
+}  // namespace
+}  // namespace epifuse
+
+TORCH_LIBRARY(epifuse, m) {
+  m.def("gemm_affine(Tensor x, Tensor weight, Tensor a, Tensor c, str precision) -> Tensor");
+  m.def("gemm_colstats(Tensor x, Tensor weight, str precision) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "bn_fold_train(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, Tensor gamma, "
+      "Tensor beta, Tensor? pre_scale, Tensor? post_scale, Tensor(a!) running_mean, "
+      "Tensor(b!) running_var, Tensor(c!) num_batches_tracked, float? momentum, float eps) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "bn_fold_eval(Tensor? bias, Tensor gamma, Tensor beta, Tensor? pre_scale, "
+      "Tensor? post_scale, Tensor running_mean, Tensor running_var, float eps) -> (Tensor, Tensor)");
+  m.def("affine_softmax(Tensor z, Tensor? a, Tensor? c) -> Tensor");
+  m.def("affine_softmax_(Tensor(a!) z, Tensor? a, Tensor? c) -> ()");
+  m.def("affine_(Tensor(a!) z, Tensor a, Tensor c) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {
+  m.impl("gemm_affine", &epifuse::gemm_affine_cuda);
+  m.impl("gemm_colstats", &epifuse::gemm_colstats_cuda);
+  m.impl("bn_fold_train", &epifuse::bn_fold_train_cuda);
+  m.impl("bn_fold_eval", &epifuse::bn_fold_eval_cuda);
+  m.impl("affine_softmax", &epifuse::affine_softmax_cuda);
+  m.impl("affine_softmax_", &epifuse::affine_softmax_inplace_cuda);
+  m.impl("affine_", &epifuse::affine_inplace_cuda);
+}

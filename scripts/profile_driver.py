@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Driver for scripts/profile_nsys.sh: runs one epifuse problem (ModelNew, or the
+reference Model) for warm-up + N timed iterations inside NVTX ranges.
+
+  --profiler nsys   just run; nsys (started by profile_nsys.sh with
+                    --capture-range=cudaProfilerApi) records the timed iterations
+  --profiler torch  fallback: record with torch.profiler, print the per-kernel
+                    table (name, calls, total, avg) and write a Chrome trace
+
+The package emits its per-stage NVTX ranges (GEMM, fold, softmax) when
+EPIFUSE_NVTX=1 is set before it is imported (profile_nsys.sh sets it).
+Errors are reported in one line, never as a stack trace (EPIFUSE_DEBUG=1 shows it).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import sys
+import time
+import warnings
+
+PROBLEMS = {
+    "84": "gemm_bn_scale_softmax",
+    "39": "gemm_scale_bn",
+}
+DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
+          "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+class DriverError(Exception):
+    pass
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("problem", nargs="?", default="84",
+                   help="84 (gemm_bn_scale_softmax) or 39 (gemm_scale_bn), or the module name")
+    p.add_argument("--mode", choices=["train", "eval"], default="train")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--precision", choices=["tf32", "ieee"], default="tf32",
+                   help="fp32 GEMM precision (sets torch.set_float32_matmul_precision)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default: the problem's)")
+    p.add_argument("--in-features", type=int, default=None)
+    p.add_argument("--out-features", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--model", choices=["new", "ref"], default="new",
+                   help="ModelNew (epifuse) or the reference Model")
+    p.add_argument("--profiler", choices=["nsys", "torch"], default="torch")
+    p.add_argument("--out", default="profile-out", help="output folder (Chrome trace)")
+    p.add_argument("--tag", default=None, help="file name stem (default derived from the options)")
+    p.add_argument("--check", action="store_true", help="only build the model and inputs, then exit")
+    return p.parse_args(argv)
+
+
+def problem_module(name):
+    mod_name = PROBLEMS.get(name, name)
+    try:
+        return importlib.import_module(f"epifuse.problems.{mod_name}")
+    except ModuleNotFoundError as e:
+        if e.name and e.name.startswith("epifuse.problems."):
+            raise DriverError(f"unknown problem {name!r}; use one of: "
+                              + ", ".join(f"{k} ({v})" for k, v in PROBLEMS.items())) from None
+        raise DriverError(f"cannot import epifuse ({e}); run scripts/build.sh first") from None
+    except ImportError as e:
+        hint = "" if "build" in str(e) else "; run scripts/build.sh first"
+        raise DriverError(f"cannot import epifuse: {e}{hint}") from None
+
+
+def build(args, torch):
+    mod = problem_module(args.problem)
+    cuda = torch.cuda.is_available()
+    # KernelBench convention: get_inputs()/get_init_inputs() read the module constants.
+    if args.batch is not None:
+        mod.batch_size = args.batch
+    if args.in_features is not None:
+        mod.in_features = args.in_features
+    if args.out_features is not None:
+        mod.out_features = args.out_features
+    if not cuda and args.batch is None and args.in_features is None and args.out_features is None:
+        mod.batch_size, mod.in_features, mod.out_features = 256, 512, 512
+        if hasattr(mod, "scale_shape") and tuple(getattr(mod, "scale_shape")) != (1,):
+            mod.scale_shape = (mod.out_features,)
+        print("[profile] no CUDA device: CPU reference path at a small size "
+              f"(batch {mod.batch_size}, {mod.in_features} -> {mod.out_features})")
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = getattr(torch, DTYPES[args.dtype])
+    torch.set_float32_matmul_precision("highest" if args.precision == "ieee" else "high")
+    torch.manual_seed(0)
+    cls = mod.ModelNew if args.model == "new" else mod.Model
+    model = cls(*mod.get_init_inputs()).to(device=device, dtype=dtype)
+    model.train(args.mode == "train")
+    inputs = [t.to(device=device, dtype=dtype) if torch.is_tensor(t) else t for t in mod.get_inputs()]
+    return mod, model, inputs, device
+
+
+def run_iters(model, inputs, n, torch, cuda, label):
+    nvtx = torch.cuda.nvtx if cuda else None
+    for i in range(n):
+        if nvtx:
+            nvtx.range_push(f"{label}[{i}]")
+        model(*inputs)
+        if nvtx:
+            nvtx.range_pop()
+
+
+def kernel_table(prof, torch, skip=()):
+    """Aggregate device kernels (and copies) by name: (name, calls, total_us)."""
+    from torch.autograd import DeviceType
+    agg = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        if getattr(e, "is_user_annotation", False) or e.name in skip or e.name.startswith("epifuse."):
+            continue  # GPU-side mirror of a record_function range, not a kernel
+        us = e.time_range.elapsed_us()
+        calls, total = agg.get(e.name, (0, 0.0))
+        agg[e.name] = (calls + 1, total + us)
+    return sorted(((n, c, t) for n, (c, t) in agg.items()), key=lambda r: -r[2])
+
+
+def cpu_op_table(prof):
+    rows = []
+    for e in prof.key_averages():
+        rows.append((e.key, e.count, e.self_cpu_time_total))
+    rows.sort(key=lambda r: -r[2])
+    return rows[:25]
+
+
+def print_table(title, rows, iters):
+    print(f"\n{title}")
+    if not rows:
+        print("  (none recorded)")
+        return
+    width = min(max(len(r[0]) for r in rows), 90)
+    total_all = sum(r[2] for r in rows) or 1.0
+    print(f"  {'time %':>6}  {'total (us)':>12}  {'calls':>6}  {'avg (us)':>10}  {'per iter (us)':>13}  name")
+    for name, calls, total in rows:
+        short = name if len(name) <= width else name[: width - 3] + "..."
+        print(f"  {100.0 * total / total_all:6.1f}  {total:12.1f}  {calls:6d}  {total / max(calls, 1):10.2f}  "
+              f"{total / max(iters, 1):13.2f}  {short}")
+
+
+def main(argv):
+    args = parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        raise DriverError("torch is not installed; run scripts/build.sh first") from None
+    cuda = torch.cuda.is_available()
+    if args.profiler == "nsys" and not cuda:
+        raise DriverError("no CUDA device visible: nothing for Nsight Systems to record")
+    mod, model, inputs, device = build(args, torch)
+    if args.check:
+        return 0
+    stem = args.tag or f"{mod.__name__.rsplit('.', 1)[-1]}_{args.model}_{args.mode}_{args.dtype}" + (
+        f"_{args.precision}" if args.dtype == "fp32" else "")
+    label = f"epifuse.{args.model}.{args.mode}"
+    print(f"[profile] {mod.__name__}.{'ModelNew' if args.model == 'new' else 'Model'} {args.mode} "
+          f"{args.dtype}{' ' + args.precision if args.dtype == 'fp32' else ''} on {device}; "
+          f"x {tuple(inputs[0].shape)}; warm-up {args.warmup}, iterations {args.iters}")
+
+    grad = contextlib.nullcontext() if args.mode == "train" else torch.no_grad()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with grad:
+        if cuda:
+            torch.cuda.nvtx.range_push(f"{label}.warmup")
+        run_iters(model, inputs, args.warmup, torch, cuda, "warmup")
+        sync()
+        if cuda:
+            torch.cuda.nvtx.range_pop()
+
+        if args.profiler == "nsys":
+            torch.cuda.profiler.start()           # nsys --capture-range=cudaProfilerApi
+            torch.cuda.nvtx.range_push(f"{label}.iters")
+            t0 = time.perf_counter()
+            run_iters(model, inputs, args.iters, torch, cuda, "iter")
+            sync()
+            dt = time.perf_counter() - t0
+            torch.cuda.nvtx.range_pop()
+            torch.cuda.profiler.stop()
+            print(f"[profile] {args.iters} iterations: {1e3 * dt / max(args.iters, 1):.3f} ms/iter (wall, under nsys)")
+            return 0
+
+        from torch.profiler import ProfilerActivity, profile, record_function
+        warnings.filterwarnings("ignore", module="torch.profiler")
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
+            with record_function(f"{label}.iters"):
+                if cuda:
+                    torch.cuda.nvtx.range_push(f"{label}.iters")
+                run_iters(model, inputs, args.iters, torch, cuda, "iter")
+                sync()
+                if cuda:
+                    torch.cuda.nvtx.range_pop()
+    os.makedirs(args.out, exist_ok=True)
+    trace = os.path.join(args.out, f"{stem}.trace.json")
+    prof.export_chrome_trace(trace)
+    if cuda:
+        print_table(f"GPU kernels over {args.iters} iterations (torch.profiler):",
+                    kernel_table(prof, torch, skip=(f"{label}.iters",)), args.iters)
+    else:
+        print_table(f"CPU ops (self time) over {args.iters} iterations (torch.profiler; no GPU):",
+                    cpu_op_table(prof), args.iters)
+    print(f"\n[profile] Chrome trace: {trace}  (open in chrome://tracing or https://ui.perfetto.dev)")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except DriverError as e:
+        print(f"[profile] error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # one line, not a stack trace
+        if os.environ.get("EPIFUSE_DEBUG") == "1":
+            raise
+        print(f"[profile] error: {type(e).__name__}: {e}  (EPIFUSE_DEBUG=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)

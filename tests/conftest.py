@@ -1,0 +1,60 @@
+"""Shared pytest setup: import path, the `gpu` / `hopper` markers and their skips."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+try:  # an installed epifuse (pip install ./python) wins; else the source tree
+    import epifuse  # noqa: F401
+except ModuleNotFoundError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    import epifuse  # noqa: F401
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line(
+        "markers", "hopper: needs an sm_90 GPU and the epifuse CUDA kernels (fused path)")
+
+
+def _gpu_skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU available"
+    return None
+
+
+def _hopper_skip_reason() -> str | None:
+    reason = _gpu_skip_reason()
+    if reason is not None:
+        return reason
+    if not epifuse.ops.has_cuda_kernels():
+        return "epifuse library was built without CUDA kernels"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"fused path needs Hopper sm_90, this GPU is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_reason, hopper_reason = _gpu_skip_reason(), _hopper_skip_reason()
+    for item in items:
+        if gpu_reason and ("gpu" in item.keywords or "hopper" in item.keywords):
+            item.add_marker(pytest.mark.skip(reason=gpu_reason))
+        elif hopper_reason and "hopper" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=hopper_reason))
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """Let the fused path run on CPU tensors, through the ops' CPU (fold.py) kernels.
+
+    This exercises head.py's op sequence, autograd Function and tracing in CI
+    without a GPU; only the device check is bypassed.
+    """
+    from epifuse import head
+
+    monkeypatch.setattr(head, "_device_reason", lambda x: None)

@@ -1,0 +1,73 @@
+"""Test helpers: building reference/fused model pairs and comparing tensors."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+import torch
+from torch import nn
+
+from epifuse.problems import gemm_bn_scale_softmax as p84
+from epifuse.problems import gemm_scale_bn as p39
+
+PROBLEMS = {84: p84, 39: p39}
+
+
+def init_args(number: int, in_f: int, out_f: int, scale_shape=None, *, eps: float = 1e-5,
+              momentum: Optional[float] = 0.1) -> list:
+    """Positional __init__ arguments of problem ``number``'s Model."""
+    if number == 84:
+        return [in_f, out_f, eps, momentum, scale_shape if scale_shape is not None else (1,)]
+    return [in_f, out_f, scale_shape if scale_shape is not None else (out_f,), eps, momentum]
+
+
+def scales(number: int, model: nn.Module) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(pre_scale, post_scale) of the fold for this problem's model."""
+    return (None, model.scale) if number == 84 else (model.scale, None)
+
+
+@torch.no_grad()
+def randomize_(model: nn.Module, seed: int = 1) -> nn.Module:
+    """Non-default BN affine/running stats and scale, so a swapped term cannot pass."""
+    g = torch.Generator().manual_seed(seed)
+
+    def like(t, lo, hi):
+        return (torch.rand(t.shape, generator=g, dtype=torch.float64) * (hi - lo) + lo).to(t)
+
+    model.bn.weight.copy_(like(model.bn.weight, 0.5, 1.5))
+    model.bn.bias.copy_(like(model.bn.bias, -0.5, 0.5))
+    model.bn.running_mean.copy_(like(model.bn.running_mean, -0.3, 0.3))
+    model.bn.running_var.copy_(like(model.bn.running_var, 0.5, 2.0))
+    model.scale.copy_(like(model.scale, 0.5, 2.0))
+    return model
+
+
+def make_pair(number: int, args: list, *, seed: int = 0, randomize: bool = True,
+              precision: Optional[str] = None) -> tuple[nn.Module, nn.Module]:
+    """(Model, ModelNew) from the same seed, ModelNew loaded with Model's state."""
+    module: ModuleType = PROBLEMS[number]
+    torch.manual_seed(seed)
+    ref = module.Model(*args)
+    if randomize:
+        randomize_(ref)
+    torch.manual_seed(seed)
+    new = module.ModelNew(*args, precision=precision)
+    new.load_state_dict(ref.state_dict())
+    return ref, new
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Frobenius-norm relative error in float64; inf when shapes differ or actual is not finite."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if a.shape != e.shape or not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - e).norm() / e.norm().clamp_min(1e-300)).item()
+
+
+def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest elementwise |actual - expected| / max(|expected|, 1)-style error, in float64."""
+    a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+    if a.shape != e.shape or not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - e).abs() / e.abs().clamp_min(1e-300)).max().item()

@@ -1,0 +1,59 @@
+"""Sample arguments for every epifuse op (shared by the CPU and CUDA op tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from epifuse import ops
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _precision(dtype):
+    return "ieee" if dtype == torch.float32 else ""
+
+
+def samples(device, dtype, m=5, k=7, n=3, seed=0):
+    """{op name: [args, ...]} covering optional arguments (None) and scale shapes."""
+    g = torch.Generator().manual_seed(seed)
+
+    def t(*shape, lo=-1.0, hi=1.0, dt=dtype):
+        return (torch.rand(shape, generator=g, dtype=torch.float64) * (hi - lo) + lo).to(device, dt)
+
+    x, w = t(m, k), t(n, k)
+    a, c = t(n, dt=torch.float32), t(n, dt=torch.float32)
+    z = t(m, n)
+    colsum, colsumsq = t(n, dt=torch.float64), t(n, lo=5.0, hi=6.0, dt=torch.float64)
+    bias, gamma, beta = t(n), t(n, lo=0.5, hi=1.5), t(n)
+    s1, sn = t(1, lo=0.5, hi=2.0), t(n, lo=0.5, hi=2.0)
+
+    def stats():
+        return t(n), t(n, lo=0.5, hi=2.0), torch.tensor(3, device=device)
+
+    prec = _precision(dtype)
+    return {
+        "gemm_affine": [(x, w, a, c, prec)],
+        "gemm_colstats": [(x, w, prec)],
+        "bn_fold_train": [
+            (colsum, colsumsq, m, bias, gamma, beta, None, s1, *stats(), 0.1, 1e-5),
+            (colsum, colsumsq, m, None, gamma, beta, sn, None, *stats(), None, 1e-3),
+        ],
+        "bn_fold_eval": [
+            (bias, gamma, beta, None, sn, *stats()[:2], 1e-5),
+            (None, gamma, beta, s1, None, *stats()[:2], 1e-5),
+        ],
+        "affine_softmax": [(z, a, c), (z, None, None)],
+        "affine_softmax_": [(z.clone(), a, c), (z.clone(), None, None)],
+        "affine_": [(z.clone(), a, c)],
+    }
+
+
+def op(name):
+    return getattr(torch.ops.epifuse, name).default
+
+
+def all_cases():
+    """(op name, dtype id, sample index) triples, for parametrize ids."""
+    names = [n.split("::")[1] for n in ops.OP_NAMES]
+    counts = {k: len(v) for k, v in samples("cpu", torch.float32).items()}
+    return [(name, d, i) for name in names for d in DTYPES for i in range(counts[name])]

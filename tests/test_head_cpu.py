@@ -1,0 +1,207 @@
+"""head.py's fused path, run on CPU through the ops' CPU kernels (fixture fused_on_cpu).
+
+This covers the op sequence, the running-stat update, the autograd Function
+and torch.compile tracing without a GPU; the CUDA kernels themselves are
+covered by the gpu tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import epifuse
+from epifuse import head, ops
+from helpers import PROBLEMS, init_args, make_pair, rel_err
+
+IN, OUT = 24, 16
+CASES = [pytest.param(n, s, id=f"p{n}-scale{s[0]}")
+         for n, shapes in ((84, [(1,), (OUT,)]), (39, [(OUT,), (1,)])) for s in shapes]
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Record which epifuse ops head.py calls."""
+    calls: list[str] = []
+    for name in ("gemm_affine", "gemm_colstats", "bn_fold_train", "bn_fold_eval",
+                 "affine_softmax", "affine_softmax_", "affine_"):
+        real = getattr(ops, name)
+
+        def wrapper(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(ops, name, wrapper)
+    return calls
+
+
+def test_cpu_input_takes_reference_path():
+    _, new = make_pair(84, init_args(84, IN, OUT))
+    assert "not CUDA" in head.fast_path_reason(new, torch.rand(4, IN))
+
+
+@pytest.mark.parametrize("number,scale", CASES)
+def test_fused_path_matches_model(number, scale, fused_on_cpu, spy):
+    ref, new = make_pair(number, init_args(number, IN, OUT, scale))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.rand(32, IN, generator=g)
+            assert head.fast_path_reason(new.train(), x) is None
+            assert rel_err(new(x), ref.train()(x)) < 1e-6
+        assert rel_err(new.bn.running_mean, ref.bn.running_mean) < 1e-6
+        assert rel_err(new.bn.running_var, ref.bn.running_var) < 1e-6
+        assert new.bn.num_batches_tracked.item() == ref.bn.num_batches_tracked.item() == 3
+        last = "affine_softmax_" if number == 84 else "affine_"
+        assert spy == ["gemm_colstats", "bn_fold_train", last] * 3
+        spy.clear()
+        x = torch.rand(32, IN, generator=g)
+        assert rel_err(new.eval()(x), ref.eval()(x)) < 1e-6
+        assert spy == ["bn_fold_eval", "gemm_affine"] + (["affine_softmax_"] if number == 84 else [])
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("number,scale", CASES)
+def test_fused_path_gradients(number, scale, mode, fused_on_cpu):
+    ref, new = make_pair(number, init_args(number, IN, OUT, scale))
+    ref.train(mode == "train"), new.train(mode == "train")
+    x = torch.rand(32, IN, requires_grad=True)
+    y_ref, y_new = ref(x), new(x)
+    assert type(y_new.grad_fn).__name__ == "_FusedHeadBackward"
+    w = torch.randn_like(y_ref)
+    g_ref = torch.autograd.grad((y_ref * w).sum(), [x, *ref.parameters()])
+    g_new = torch.autograd.grad((y_new * w).sum(), [x, *new.parameters()])
+    names = ["x"] + [n for n, _ in new.named_parameters()]
+    for name, a, b in zip(names, g_new, g_ref, strict=True):
+        assert rel_err(a, b) < 1e-5, name
+    # Running statistics were updated once, by the forward, not again by the backward.
+    torch.testing.assert_close(new.bn.running_var, ref.bn.running_var)
+    assert new.bn.num_batches_tracked.item() == ref.bn.num_batches_tracked.item()
+
+
+def test_fused_path_partial_requires_grad(fused_on_cpu):
+    ref, new = make_pair(39, init_args(39, IN, OUT))
+    for model in (ref, new):
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.bn.weight.requires_grad_(True)
+    x = torch.rand(32, IN)
+    w = torch.randn(32, OUT)
+    (g_ref,) = torch.autograd.grad((ref(x) * w).sum(), [ref.bn.weight])
+    (g_new,) = torch.autograd.grad((new(x) * w).sum(), [new.bn.weight])
+    assert rel_err(g_new, g_ref) < 1e-5
+
+
+def test_double_backward_is_refused(fused_on_cpu):
+    _, new = make_pair(84, init_args(84, IN, OUT))
+    x = torch.rand(8, IN, requires_grad=True)
+    y = new(x)
+    v = torch.randn_like(y, requires_grad=True)  # a grad_output that itself requires grad
+    (gx,) = torch.autograd.grad(y, [x], v, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_no_autograd_state_without_grad(context, fused_on_cpu):
+    _, new = make_pair(84, init_args(84, IN, OUT))
+    with getattr(torch, context)():
+        y = new(torch.rand(8, IN))
+    assert y.grad_fn is None
+
+
+def test_training_batch_of_one_raises_before_any_gemm(fused_on_cpu, spy):
+    _, new = make_pair(84, init_args(84, IN, OUT))
+    x = torch.rand(1, IN)
+    assert head.fast_path_reason(new.train(), x) == "training batch of 1 row"
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        new(x)
+    assert spy == []
+    assert head.fast_path_reason(new.eval(), x) is None  # eval takes a single row fine
+
+
+def _reason_cases():
+    def model(**kw):
+        _, new = make_pair(84, init_args(84, IN, OUT, kw.pop("scale", None)))
+        for path, value in kw.items():
+            obj, attr = path.split(".")
+            setattr(getattr(new, obj), attr, value)
+        return new
+
+    x = torch.rand(4, IN)
+    return [
+        ("3-D", model(), x[None], "3-D"),
+        ("features", model(), torch.rand(4, IN + 1), "features"),
+        ("empty", model(), x[:0], "empty"),
+        ("float64", model(), x.double(), "dtype"),
+        ("mixed-dtype", model().half(), x, "dtype"),
+        ("no-affine", model(**{"bn.affine": False}), x, "affine"),
+        ("no-running-stats", model(**{"bn.running_mean": None}), x, "running"),
+        ("scale-2d", model(scale=(1, OUT)), x, "scale shape"),
+        ("scale-odd", model(scale=(3,)), x, "scale shape"),
+    ]
+
+
+@pytest.mark.parametrize("module,x,expected", [pytest.param(*c[1:], id=c[0]) for c in _reason_cases()])
+def test_fast_path_reasons(module, x, expected, fused_on_cpu):
+    reason = head.fast_path_reason(module, x)
+    assert reason is not None and expected in reason
+
+
+def test_fused_path_works_with_16bit_model(fused_on_cpu):
+    ref, new = make_pair(39, init_args(39, IN, OUT))
+    ref.bfloat16(), new.bfloat16()
+    x = torch.rand(32, IN).bfloat16()
+    assert head.fast_path_reason(new, x) is None
+    with torch.no_grad():
+        assert rel_err(new(x), ref(x)) < 3e-2
+    assert new.bn.running_mean.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("number", [84, 39], ids=["p84", "p39"])
+def test_compile_fullgraph_traces_fused_path(number, mode, fused_on_cpu):
+    torch._dynamo.reset()
+    ref, new = make_pair(number, init_args(number, IN, OUT))
+    ref.train(mode == "train"), new.train(mode == "train")
+    compiled = torch.compile(new, fullgraph=True, backend="aot_eager")
+    x = torch.rand(32, IN, requires_grad=True)
+    y_new, y_ref = compiled(x), ref(x)
+    assert rel_err(y_new, y_ref) < 1e-6
+    # A random projection, not y.square(): BatchNorm's backward projects 2*y out almost
+    # entirely, so that loss's gradient is cancellation noise.
+    w = torch.randn_like(y_ref)
+    (g_new,) = torch.autograd.grad((y_new * w).sum(), [x])
+    (g_ref,) = torch.autograd.grad((y_ref * w).sum(), [x])
+    assert rel_err(g_new, g_ref) < 1e-5
+    with torch.no_grad():
+        assert rel_err(compiled(x), ref(x)) < 1e-6
+    assert new.bn.num_batches_tracked.item() == ref.bn.num_batches_tracked.item()
+    assert rel_err(new.bn.running_var, ref.bn.running_var) < 1e-6
+
+
+def test_softmax_uses_op_only_where_it_applies(fused_on_cpu, spy):
+    x = torch.randn(5, 7)
+    torch.testing.assert_close(epifuse.softmax(x), torch.softmax(x, -1))
+    torch.testing.assert_close(epifuse.softmax(x, dim=1), torch.softmax(x, 1))
+    assert spy == ["affine_softmax"] * 2
+    for args in [(x, 0), (x[None], -1), (x.double(), -1), (x[:0], -1)]:
+        torch.testing.assert_close(epifuse.softmax(*args), torch.softmax(*args))
+    xg = x.clone().requires_grad_()
+    y = epifuse.softmax(xg)
+    assert y.grad_fn is not None  # autograd falls back to torch.softmax
+    assert spy == ["affine_softmax"] * 2  # no fallback case reached the op
+
+
+def test_nvtx_flag_is_read_at_import():
+    code = "import epifuse.head as h; print(h._NVTX)"
+    env = dict(os.environ, EPIFUSE_NVTX="1", PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "True"
+    assert head._NVTX is (os.environ.get("EPIFUSE_NVTX") == "1")

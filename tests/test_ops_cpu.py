@@ -1,0 +1,104 @@
+"""The ops' CPU kernels (the executable spec) and schemas, without a GPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from epifuse import fold, ops
+from op_samples import DTYPES, all_cases, op, samples
+
+CASES = [pytest.param(name, d, i, id=f"{name}-{d}-{i}") for name, d, i in all_cases()]
+
+
+@pytest.mark.parametrize("name,dtype_id,index", CASES)
+def test_opcheck_cpu(name, dtype_id, index):
+    args = samples("cpu", DTYPES[dtype_id])[name][index]
+    torch.library.opcheck(op(name), args)
+
+
+@pytest.mark.parametrize("name,dtype_id,index", CASES)
+def test_fake_kernel_matches_cpu_kernel(name, dtype_id, index):
+    args = samples("cpu", DTYPES[dtype_id])[name][index]
+    real = op(name)(*copy.deepcopy(args))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        fake = op(name)(*fake_args)
+    flat_real = real if isinstance(real, tuple) else (real,)
+    flat_fake = fake if isinstance(fake, tuple) else (fake,)
+    for r, f in zip(flat_real, flat_fake, strict=True):
+        if r is None:
+            assert f is None
+            continue
+        assert (f.shape, f.dtype, f.device) == (r.shape, r.dtype, r.device)
+
+
+def test_gemm_affine_cpu_values():
+    x, w = torch.randn(6, 5), torch.randn(4, 5)
+    a, c = torch.randn(4), torch.randn(4)
+    expected = a.double() * (x.double() @ w.double().T) + c.double()
+    torch.testing.assert_close(ops.gemm_affine(x, w, a, c, "ieee"), expected.float())
+    assert ops.gemm_affine(x.half(), w.half(), a, c, "").dtype == torch.float16
+
+
+def test_gemm_colstats_cpu_values():
+    x, w = torch.randn(6, 5), torch.randn(4, 5)
+    z, s1, s2 = ops.gemm_colstats(x, w, "tf32")
+    z64 = x.double() @ w.double().T
+    torch.testing.assert_close(z, z64.float())
+    assert s1.dtype == s2.dtype == torch.float64
+    torch.testing.assert_close(s1, z64.sum(0))
+    torch.testing.assert_close(s2, (z64 ** 2).sum(0))
+
+
+def test_bn_fold_train_cpu_mutates_running_stats():
+    (colsum, colsumsq, m, bias, gamma, beta, pre, post, rm, rv, nbt, mom, eps) = \
+        samples("cpu", torch.float32)["bn_fold_train"][0]
+    rm0, rv0 = rm.clone(), rv.clone()
+    a, c = ops.bn_fold_train(colsum, colsumsq, m, bias, gamma, beta, pre, post, rm, rv, nbt,
+                             mom, eps)
+    assert a.dtype == c.dtype == torch.float32
+    f = fold.fold_train(colsum, colsumsq, m, bias, gamma, beta, pre, post, eps)
+    torch.testing.assert_close(a, f.a.float())
+    torch.testing.assert_close(c, f.c.float())
+    torch.testing.assert_close(rm, (0.9 * rm0.double() + 0.1 * f.mean).float())
+    torch.testing.assert_close(rv, (0.9 * rv0.double() + 0.1 * f.var * m / (m - 1)).float())
+    assert nbt.item() == 4
+
+
+def test_bn_fold_eval_cpu_values():
+    n = 3
+    bias, gamma, beta, scale = torch.randn(n), torch.rand(n) + 0.5, torch.randn(n), torch.rand(n) + 1
+    rm, rv = torch.randn(n), torch.rand(n) + 0.5
+    a, c = ops.bn_fold_eval(bias, gamma, beta, scale, None, rm, rv, 1e-5)
+    z = torch.randn(4, n, dtype=torch.float64)
+    expected = torch.nn.functional.batch_norm(
+        (z + bias.double()) * scale.double(), rm.double(), rv.double(), gamma.double(),
+        beta.double(), False, 0.0, 1e-5)
+    torch.testing.assert_close(a.double() * z + c.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_affine", [True, False], ids=["affine", "plain"])
+def test_affine_softmax_cpu_values(with_affine):
+    z = torch.randn(4, 9)
+    a, c = (torch.randn(9), torch.randn(9)) if with_affine else (None, None)
+    expected = torch.softmax(z * a + c if with_affine else z, dim=1)
+    torch.testing.assert_close(ops.affine_softmax(z, a, c), expected)
+    inplace = z.clone()
+    assert ops.affine_softmax_(inplace, a, c) is None
+    torch.testing.assert_close(inplace, expected)
+
+
+def test_affine_inplace_cpu_values():
+    z, a, c = torch.randn(4, 9).bfloat16(), torch.randn(9), torch.randn(9)
+    expected = (z.double() * a.double() + c.double()).bfloat16()
+    ops.affine_(z, a, c)
+    assert torch.equal(z, expected)
+
+
+def test_bad_precision_string_is_rejected():
+    with pytest.raises(ValueError, match="precision"):
+        ops.gemm_affine(torch.randn(2, 3), torch.randn(4, 3), torch.ones(4), torch.zeros(4), "fp64")

@@ -1,0 +1,167 @@
+"""Each epifuse CUDA op on its own, against the Python oracle (fold.py / float64 math)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from epifuse import fold, ops
+from helpers import rel_err
+from op_samples import DTYPES, all_cases, op, samples
+
+pytestmark = pytest.mark.hopper
+
+CUDA = torch.device("cuda")
+KINDS = {"ieee": (torch.float32, "ieee", 2e-6), "tf32": (torch.float32, "tf32", 2e-3),
+         "fp16": (torch.float16, "", 2e-3), "bf16": (torch.bfloat16, "", 1e-2)}
+GEMM_SHAPES = [(1, 1, 1), (3, 17, 5), (17, 1000, 3), (1000, 3, 4097), (4097, 129, 17),
+               (256, 4096, 1024)]
+GEMM_CASES = [pytest.param(kind, s, id=f"{kind}-M{s[0]}-N{s[1]}-K{s[2]}")
+              for kind in KINDS for s in GEMM_SHAPES]
+
+
+def _gemm_inputs(m, n, k, dtype):
+    g = torch.Generator(device=CUDA).manual_seed(m * 7 + n * 3 + k)
+    x = (torch.rand(m, k, device=CUDA, generator=g) - 0.3).to(dtype)
+    w = (torch.rand(n, k, device=CUDA, generator=g) - 0.5).to(dtype) / k ** 0.5
+    return x, w
+
+
+@pytest.mark.parametrize("kind,shape", GEMM_CASES)
+def test_gemm_affine(kind, shape):
+    dtype, precision, tol = KINDS[kind]
+    x, w = _gemm_inputs(*shape, dtype)
+    a = torch.rand(shape[1], device=CUDA) + 0.5
+    c = torch.randn(shape[1], device=CUDA)
+    expected = a.double() * (x.double() @ w.double().T) + c.double()
+    y = ops.gemm_affine(x, w, a, c, precision)
+    assert y.dtype == dtype and y.shape == (shape[0], shape[1])
+    assert rel_err(y, expected) <= tol
+
+
+@pytest.mark.parametrize("kind,shape", GEMM_CASES)
+def test_gemm_colstats(kind, shape):
+    dtype, precision, tol = KINDS[kind]
+    x, w = _gemm_inputs(*shape, dtype)
+    z64 = x.double() @ w.double().T
+    z, colsum, colsumsq = ops.gemm_colstats(x, w, precision)
+    assert z.dtype == dtype and colsum.dtype == colsumsq.dtype == torch.float64
+    assert rel_err(z, z64) <= tol
+    # Sums of the fp32 accumulator: fp32-accurate whatever the input dtype (tf32 aside).
+    sum_tol = 2e-3 if precision == "tf32" else 1e-5
+    assert rel_err(colsum, z64.sum(0)) <= sum_tol
+    assert rel_err(colsumsq, (z64 ** 2).sum(0)) <= sum_tol
+
+
+def _fold_inputs(n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def t(lo, hi, dt=dtype):
+        return (torch.rand(n, generator=g, dtype=torch.float64) * (hi - lo) + lo).to(CUDA, dt)
+
+    m = 37
+    z = torch.randn(m, n, generator=g, dtype=torch.float64) * 3 + 5
+    colsum, colsumsq = (s.to(CUDA) for s in fold.column_stats(z))
+    return dict(m=m, colsum=colsum, colsumsq=colsumsq, bias=t(-1, 1), gamma=t(0.5, 1.5),
+                beta=t(-1, 1), s1=t(0.5, 2)[:1].clone(), sn=t(0.5, 2), rm=t(-1, 1), rv=t(0.5, 2))
+
+
+FOLD_CASES = [pytest.param(d, n, scale, pos, mom, id=f"{d}-N{n}-{pos}{scale}-mom{mom}")
+              for d in DTYPES for n in (1, 7, 4097) for scale in ("1", "N")
+              for pos in ("pre", "post") for mom in (0.1, None)]
+
+
+@pytest.mark.parametrize("dtype_id,n,scale,pos,momentum", FOLD_CASES)
+def test_bn_fold_train_and_eval(dtype_id, n, scale, pos, momentum):
+    dtype = DTYPES[dtype_id]
+    p = _fold_inputs(n, dtype)
+    s = p["s1"] if scale == "1" else p["sn"]
+    pre, post = (s, None) if pos == "pre" else (None, s)
+    rm, rv, nbt = p["rm"].clone(), p["rv"].clone(), torch.tensor(2, device=CUDA)
+    a, c = ops.bn_fold_train(p["colsum"], p["colsumsq"], p["m"], p["bias"], p["gamma"], p["beta"],
+                             pre, post, rm, rv, nbt, momentum, 1e-5)
+    f = fold.fold_train(p["colsum"], p["colsumsq"], p["m"], p["bias"], p["gamma"], p["beta"],
+                        pre, post, 1e-5)
+    assert a.dtype == c.dtype == torch.float32 and a.shape == c.shape == (n,)
+    assert rel_err(a, f.a) <= 1e-6 and rel_err(c, f.c) <= 1e-6
+    rm_ref, rv_ref, nbt_ref = p["rm"].clone(), p["rv"].clone(), torch.tensor(2, device=CUDA)
+    fold.update_running_stats(rm_ref, rv_ref, nbt_ref, f.mean, f.var, p["m"], momentum)
+    buf_tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+    assert rm.dtype == dtype and rel_err(rm, rm_ref) <= buf_tol
+    assert rel_err(rv, rv_ref) <= buf_tol
+    assert nbt.item() == 3
+
+    a, c = ops.bn_fold_eval(p["bias"], p["gamma"], p["beta"], pre, post, p["rm"], p["rv"], 1e-5)
+    f = fold.fold_eval(p["bias"], p["gamma"], p["beta"], pre, post, p["rm"], p["rv"], 1e-5)
+    assert rel_err(a, f.a) <= 1e-6 and rel_err(c, f.c) <= 1e-6
+
+
+def test_bn_fold_without_bias():
+    p = _fold_inputs(9, torch.float32)
+    a, c = ops.bn_fold_eval(None, p["gamma"], p["beta"], None, None, p["rm"], p["rv"], 1e-3)
+    f = fold.fold_eval(None, p["gamma"], p["beta"], None, None, p["rm"], p["rv"], 1e-3)
+    assert rel_err(a, f.a) <= 1e-6 and rel_err(c, f.c) <= 1e-6
+
+
+WIDTHS = [1, 2, 3, 4, 5, 127, 1000, 4097, 8192, 70000]
+SOFTMAX_CASES = [pytest.param(d, n, aff, id=f"{d}-N{n}-{'affine' if aff else 'plain'}")
+                 for d in DTYPES for n in WIDTHS for aff in (True, False)]
+SOFTMAX_TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _softmax_inputs(n, dtype, affine):
+    g = torch.Generator(device=CUDA).manual_seed(n)
+    z = (torch.randn(5, n, device=CUDA, generator=g) * 3).to(dtype)
+    if not affine:
+        return z, None, None
+    return z, torch.rand(n, device=CUDA, generator=g) + 0.5, torch.randn(n, device=CUDA,
+                                                                          generator=g)
+
+
+@pytest.mark.parametrize("dtype_id,n,affine", SOFTMAX_CASES)
+def test_affine_softmax(dtype_id, n, affine):
+    dtype = DTYPES[dtype_id]
+    z, a, c = _softmax_inputs(n, dtype, affine)
+    expected = torch.softmax(ops._affine64(z, a, c), dim=1)
+    y = ops.affine_softmax(z, a, c)
+    assert y.dtype == dtype and rel_err(y, expected) <= SOFTMAX_TOL[dtype]
+    inplace = z.clone()
+    ops.affine_softmax_(inplace, a, c)
+    assert rel_err(inplace, expected) <= SOFTMAX_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype_id,n", [pytest.param(d, n, id=f"{d}-N{n}")
+                                        for d in DTYPES for n in WIDTHS])
+def test_affine_inplace(dtype_id, n):
+    dtype = DTYPES[dtype_id]
+    z, a, c = _softmax_inputs(n, dtype, True)
+    expected = ops._affine64(z, a, c)
+    ops.affine_(z, a, c)
+    assert rel_err(z, expected) <= SOFTMAX_TOL[dtype]
+
+
+CASES = [pytest.param(name, d, i, id=f"{name}-{d}-{i}") for name, d, i in all_cases()]
+
+
+@pytest.mark.parametrize("name,dtype_id,index", CASES)
+def test_opcheck_cuda(name, dtype_id, index):
+    args = samples(CUDA, DTYPES[dtype_id])[name][index]
+    torch.library.opcheck(op(name), args)
+
+
+@pytest.mark.parametrize("name,dtype_id,index", CASES)
+def test_cuda_matches_cpu_kernel(name, dtype_id, index):
+    """The CUDA kernel against the CPU kernel (fold.py) on the same sample."""
+    args = samples(CUDA, DTYPES[dtype_id])[name][index]
+    cuda_args = copy.deepcopy(args)
+    cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in copy.deepcopy(args)]
+    out_cuda, out_cpu = op(name)(*cuda_args), op(name)(*cpu_args)
+    tol = 1e-2 if DTYPES[dtype_id] != torch.float32 else 1e-5
+    flat = lambda o: o if isinstance(o, tuple) else (() if o is None else (o,))  # noqa: E731
+    for got, want in zip(flat(out_cuda), flat(out_cpu), strict=True):
+        assert got.dtype == want.dtype and rel_err(got, want) <= tol
+    for got, want in zip(cuda_args, cpu_args):  # mutated arguments agree too
+        if isinstance(got, torch.Tensor):
+            assert rel_err(got, want) <= tol

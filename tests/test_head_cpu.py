@@ -13,11 +13,10 @@ import sys
 
 import pytest
 import torch
-from torch import nn
 
 import epifuse
 from epifuse import head, ops
-from helpers import PROBLEMS, init_args, make_pair, rel_err
+from helpers import init_args, make_pair, rel_err
 
 IN, OUT = 24, 16
 CASES = [pytest.param(n, s, id=f"p{n}-scale{s[0]}")

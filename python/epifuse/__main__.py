@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from torch import nn
 
 from . import problems
 from .head import fast_path_reason

@@ -49,8 +49,9 @@ def test_gemm_colstats(kind, shape):
     z, colsum, colsumsq = ops.gemm_colstats(x, w, precision)
     assert z.dtype == dtype and colsum.dtype == colsumsq.dtype == torch.float64
     assert rel_err(z, z64) <= tol
-    # Sums of the fp32 accumulator: fp32-accurate whatever the input dtype (tf32 aside).
-    sum_tol = 2e-3 if precision == "tf32" else 1e-5
+    # The Hopper kernels sum the fp32 accumulator; the portable path (taken here by the shapes that
+    # are not 16-byte aligned) sums the stored z, so 16-bit inputs see their output rounding.
+    sum_tol = {"tf32": 2e-3, "ieee": 1e-5}.get(precision, 1e-3)
     assert rel_err(colsum, z64.sum(0)) <= sum_tol
     assert rel_err(colsumsq, (z64 ** 2).sum(0)) <= sum_tol
 

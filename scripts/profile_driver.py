@@ -107,6 +107,15 @@ def run_iters(model, inputs, n, torch, cuda, label):
             nvtx.range_pop()
 
 
+def demangle(name, torch):
+    if name.startswith("_Z"):
+        try:
+            return torch._C._demangle(name)
+        except Exception:
+            pass
+    return name
+
+
 def kernel_table(prof, torch, skip=()):
     """Aggregate device kernels (and copies) by name: (name, calls, total_us)."""
     from torch.autograd import DeviceType
@@ -117,8 +126,9 @@ def kernel_table(prof, torch, skip=()):
         if getattr(e, "is_user_annotation", False) or e.name in skip or e.name.startswith("epifuse."):
             continue  # GPU-side mirror of a record_function range, not a kernel
         us = e.time_range.elapsed_us()
-        calls, total = agg.get(e.name, (0, 0.0))
-        agg[e.name] = (calls + 1, total + us)
+        name = demangle(e.name, torch)
+        calls, total = agg.get(name, (0, 0.0))
+        agg[name] = (calls + 1, total + us)
     return sorted(((n, c, t) for n, (c, t) in agg.items()), key=lambda r: -r[2])
 
 

@@ -5,7 +5,7 @@
 #                           [--batch N] [--iters N] [--warmup N] [--model new|ref] [--out DIR]
 #   default: 84 train --dtype fp32 --precision tf32, output ./profile-out
 #
-# Writes DIR/<problem>_<model>_<mode>_<dtype>.nsys-rep and prints `nsys stats`
+# Writes DIR/p<problem>_<mode>[_<options>].nsys-rep and prints `nsys stats`
 # (cuda_gpu_kern_sum, nvtx_sum). The package emits NVTX ranges per stage (GEMM,
 # fold, softmax) because EPIFUSE_NVTX=1 is set here.
 # nsys is taken from $NSYS, PATH, or the usual install folders. Without nsys (or
@@ -29,7 +29,7 @@ while (($#)); do
     --out=*) out="${1#--out=}" ;;
     --mode) mode="$2"; shift ;;
     --mode=*) mode="${1#--mode=}" ;;
-    -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) pass+=("$1") ;;
   esac
   shift

@@ -108,12 +108,35 @@ def run_iters(model, inputs, n, torch, cuda, label):
 
 
 def demangle(name, torch):
-    if name.startswith("_Z"):
-        try:
-            return torch._C._demangle(name)
-        except Exception:
-            pass
-    return name
+    """Readable kernel name: torch's demangler, then c++filt, then the qualified
+    name's prefix (very long CUTLASS names are sometimes beyond both)."""
+    if not name.startswith("_Z"):
+        return name
+    try:
+        out = torch._C._demangle(name)
+        if not out.startswith("_Z"):
+            return out
+    except Exception:
+        pass
+    try:
+        import subprocess
+        out = subprocess.run(["c++filt"], input=name, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        if out and not out.startswith("_Z"):
+            return out
+    except Exception:
+        pass
+    import re
+    parts, i = [], 3 if name.startswith("_ZN") else 2
+    while True:
+        m = re.match(r"(\d+)", name[i:])
+        if not m:
+            break
+        n = int(m.group(1))
+        i += len(m.group(1))
+        parts.append(name[i:i + n])
+        i += n
+    return ("::".join(parts) + ("<...>" if name[i:i + 1] == "I" else "")) if parts else name
 
 
 def kernel_table(prof, torch, skip=()):

@@ -93,6 +93,14 @@ size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int cc_major, int 
   return bytes;
 }
 
+void epilogue_pass(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, cudaStream_t stream) {
+  if (e == Epilogue::kAffine) {
+    column_affine(p.dtype, p.M, p.N, p.out, p.ldo, ops.a, ops.c, stream);
+  } else {
+    fallback::column_stats(p.dtype, p.M, p.N, p.out, p.ldo, ops.colsum, ops.colsumsq, stream);
+  }
+}
+
 void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, void* workspace,
               int device, int cc_major, int cc_minor, cudaStream_t stream) {
   // The plan must not depend on `ops` beyond what gemm_workspace_bytes saw: a misaligned vector
@@ -107,11 +115,7 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
   }
   if (plan == Plan::kFallback) {
     fallback::gemm(p, stream);
-    if (e == Epilogue::kAffine) {
-      column_affine(p.dtype, p.M, p.N, p.out, p.ldo, ops.a, ops.c, stream);
-    } else {
-      fallback::column_stats(p.dtype, p.M, p.N, p.out, p.ldo, ops.colsum, ops.colsumsq, stream);
-    }
+    epilogue_pass(p, e, ops, stream);
     return;
   }
   with_sm90_configs(plan, [&](auto affine_cfg, auto stats_cfg) {

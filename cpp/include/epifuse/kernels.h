@@ -54,6 +54,10 @@ size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int device_cc_majo
 void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, void* workspace,
               int device, int device_cc_major, int device_cc_minor, cudaStream_t stream);
 
+// Applies the epilogue to a product already stored in p.out (computed by another GEMM, e.g. cuBLAS):
+// kAffine rewrites it in place, kColumnStats reads it into colsum / colsumsq.
+void epilogue_pass(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, cudaStream_t stream);
+
 // ---- BatchNorm fold: per-column (a, c) from statistics and parameters -------------------------
 // Parameter vectors share one dtype (the model's); scales have numel 1 or N; any pointer marked
 // optional may be null. See python/epifuse/fold.py, the reference for this math.

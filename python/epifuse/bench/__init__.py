@@ -1,0 +1,18 @@
+"""``python -m epifuse.bench``: the epifuse benchmark.
+
+ModelNew (fused epifuse forward) against the reference ``Model`` in PyTorch
+eager and under ``torch.compile``, for KernelBench problems 84 and 39, in
+train and eval, fp32 (IEEE and TF32), bf16 and fp16; plus our GEMM alone and
+our row softmax against torch.softmax and the device's copy bandwidth.
+
+Modules, one job each:
+  configs   what runs: problems and shapes, dtype/precision settings, the plan
+  models    seeded models, primed running statistics, identical copies
+  timing    median timing (CUDA events or perf_counter) with rotated inputs
+  accuracy  errors against a float64 reference
+  runner    one model configuration: accuracy, timings, GEMM alone
+  kernels   softmax sweep and device-to-device copy bandwidth
+  progress  progress bar (tqdm if installed, else a plain fallback)
+  env       environment facts (GPU, versions, date, command line)
+  report    text table, Markdown and JSON;  chart: the PNG (matplotlib)
+"""

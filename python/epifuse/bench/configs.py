@@ -1,0 +1,185 @@
+"""What the benchmark runs: problems and shapes, dtype/precision settings, the plan."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+# --------------------------------------------------------------------------- dtypes
+
+
+@dataclass(frozen=True)
+class DTypeSpec:
+    """One dtype column: the tensor dtype and the fp32 matmul policy on both sides.
+
+    ``precision`` is what ModelNew gets ("ieee" | "tf32" | None for 16-bit);
+    ``torch_precision`` is torch.set_float32_matmul_precision for the PyTorch
+    baselines (eager and torch.compile), with allow_tf32 set to match.
+    """
+
+    name: str
+    dtype: torch.dtype
+    precision: Optional[str]
+    torch_precision: str
+
+    @property
+    def allow_tf32(self) -> bool:
+        return self.torch_precision != "highest"
+
+    @contextlib.contextmanager
+    def torch_settings(self) -> Iterator[None]:
+        """Set torch's fp32 matmul policy for this column; restore it afterwards."""
+        old_precision = torch.get_float32_matmul_precision()
+        old_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.set_float32_matmul_precision(self.torch_precision)
+        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(old_precision)
+            torch.backends.cuda.matmul.allow_tf32 = old_tf32
+
+
+DTYPES = {
+    "fp32-ieee": DTypeSpec("fp32-ieee", torch.float32, "ieee", "highest"),
+    "fp32-tf32": DTypeSpec("fp32-tf32", torch.float32, "tf32", "high"),
+    "bf16": DTypeSpec("bf16", torch.bfloat16, None, "highest"),
+    "fp16": DTypeSpec("fp16", torch.float16, None, "highest"),
+}
+# The KernelBench reference: eager PyTorch, fp32, no TF32.
+KB_REFERENCE = "fp32-ieee"
+
+MODES = ("train", "eval")
+
+# --------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One problem size: batch M, in_features K, out_features N."""
+
+    problem: int
+    m: int
+    k: int
+    n: int
+    tag: str  # "kernelbench" | "kb-small" | "sweep"
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n
+
+    @property
+    def weights_key(self) -> tuple[int, int, int]:
+        """Shapes with the same key share one seeded parameter set."""
+        return (self.problem, self.k, self.n)
+
+    def __str__(self) -> str:
+        return f"{self.m}x{self.k}->{self.n}"
+
+
+PROBLEM_NAMES = {84: "gemm_bn_scale_softmax", 39: "gemm_scale_bn"}
+
+# (M, K, N) at full size, and the tiny stand-ins of a --device cpu dry run.
+_SHAPES = {
+    (84, "kernelbench"): ((1024, 8192, 8192), (32, 256, 256)),
+    (84, "kb-small"): ((128, 1024, 512), (16, 64, 32)),
+    (39, "kernelbench"): ((16384, 4096, 4096), (64, 128, 128)),
+}
+SWEEP_PROBLEM = 84
+SWEEP_M = (1, 16, 128, 512, 1024, 4096, 16384)
+SWEEP_KN = 8192
+DRY_SWEEP_M = (1, 16, 64)
+DRY_SWEEP_KN = 256
+
+
+def problem_shapes(problem: int, dry: bool) -> list[Shape]:
+    out = []
+    for (p, tag), (full, tiny) in _SHAPES.items():
+        if p == problem:
+            out.append(Shape(problem, *(tiny if dry else full), tag))
+    return out
+
+
+def sweep_shapes(ms: tuple[int, ...], dry: bool) -> list[Shape]:
+    kn = DRY_SWEEP_KN if dry else SWEEP_KN
+    return [Shape(SWEEP_PROBLEM, m, kn, kn, "sweep") for m in ms]
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model configuration: a shape, a dtype column and a mode."""
+
+    shape: Shape
+    spec: DTypeSpec
+    mode: str
+    compile: bool  # also time torch.compile(Model)
+    gemm_alone: bool  # also time our GEMM op alone (and cuBLAS) on this shape
+    skip: Optional[str] = None  # reason the case is not run at all
+    compile_note: Optional[str] = None  # why torch.compile is not timed (when compile is False)
+
+    @property
+    def label(self) -> str:
+        return f"p{self.shape.problem} {self.shape} {self.spec.name} {self.mode}"
+
+
+@dataclass
+class Plan:
+    cases: list[Case] = field(default_factory=list)
+    softmax_dtypes: tuple[str, ...] = ()
+    softmax_ns: tuple[int, ...] = ()
+    softmax_bytes: int = 0
+    copy_bytes: int = 0
+
+
+SOFTMAX_DTYPES = ("fp32", "bf16")
+SOFTMAX_NS = tuple(2 ** i for i in range(6, 17))  # 64 ... 65536
+DRY_SOFTMAX_NS = (64, 256, 1024, 4096)
+SOFTMAX_BYTES = 64 << 20  # each softmax input is ~64 MB
+DRY_SOFTMAX_BYTES = 1 << 20
+COPY_BYTES = 1 << 30  # the copy-bandwidth source tensor
+DRY_COPY_BYTES = 8 << 20
+
+
+def build_plan(problems: list[int], dtypes: list[str], modes: list[str], *, compile: bool,
+               sweep: bool, sweep_ms: tuple[int, ...], sweep_compile: bool, softmax: bool,
+               dry: bool) -> Plan:
+    plan = Plan()
+    # fp32-ieee first for each shape/mode so the KernelBench reference is measured
+    # before the columns that are compared with it.
+    ordered = sorted(dtypes, key=lambda d: d != KB_REFERENCE)
+    shapes = [s for p in problems for s in problem_shapes(p, dry)]
+    if sweep:  # a sweep point equal to a shape above is that shape, run once
+        seen = {(s.problem, s.m, s.k, s.n) for s in shapes}
+        shapes += [s for s in sweep_shapes(sweep_ms, dry) if (s.problem, s.m, s.k, s.n) not in seen]
+    for shape in shapes:
+        for mode in modes:
+            for d in ordered:
+                skip = None
+                if mode == "train" and shape.m < 2:
+                    skip = "BatchNorm training needs a batch of at least 2 rows"
+                is_sweep = shape.tag == "sweep"
+                with_compile = compile and (sweep_compile or not is_sweep)
+                note = None
+                if not compile:
+                    note = "not run (--no-compile)"
+                elif not with_compile:
+                    note = "not run (sweep point; add --sweep-compile)"
+                plan.cases.append(Case(
+                    shape, DTYPES[d], mode, compile=with_compile,
+                    gemm_alone=shape.problem == 84 and shape.tag == "kernelbench",
+                    skip=skip, compile_note=note))
+    if softmax:
+        plan.softmax_dtypes = SOFTMAX_DTYPES
+        plan.softmax_ns = DRY_SOFTMAX_NS if dry else SOFTMAX_NS
+        plan.softmax_bytes = DRY_SOFTMAX_BYTES if dry else SOFTMAX_BYTES
+        plan.copy_bytes = DRY_COPY_BYTES if dry else COPY_BYTES
+    return plan
+
+
+SOFTMAX_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

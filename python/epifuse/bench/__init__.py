@@ -12,6 +12,7 @@ Modules, one job each:
   accuracy  errors against a float64 reference
   runner    one model configuration: accuracy, timings, GEMM alone
   kernels   softmax sweep and device-to-device copy bandwidth
+  persist   bench.json checkpoints after every configuration; --resume reads them
   progress  progress bar (tqdm if installed, else a plain fallback)
   env       environment facts (GPU, versions, date, command line)
   report    text table, Markdown and JSON;  chart: the PNG (matplotlib)

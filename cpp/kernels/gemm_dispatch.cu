@@ -54,27 +54,60 @@ int sm_count(int device) {
   return cache[device];
 }
 
-// Calls fn(AffineConfig, ColumnStatsConfig) for a tensor-core plan.
+// Stream-K pays for its partial-tile fix-up only when data-parallel tiles cannot fill the GPU:
+// e.g. problem 84 at M <= 512 has at most 128 tiles of 128x256 for 132 SMs.
+bool prefer_stream_k(const GemmProblem& p, Epilogue e, int sms) {
+  const int64_t tile_n = e == Epilogue::kAffine ? 256 : 128;
+  const int64_t tiles = ((p.M + 127) / 128) * ((p.N + tile_n - 1) / tile_n);
+  return tiles < sms;
+}
+
+// Calls fn(Config) with the tile configuration of a tensor-core plan.
+template <class Wide, class WideSK, class Square, class SquareSK, class Fn>
+void pick_config(Epilogue e, bool stream_k, Fn&& fn) {
+  if (e == Epilogue::kAffine) {
+    if (stream_k) return fn(WideSK{});
+    return fn(Wide{});
+  }
+  if (stream_k) return fn(SquareSK{});
+  return fn(Square{});
+}
+
 template <class Fn>
-void with_sm90_configs(Plan plan, Fn&& fn) {
+void with_sm90_config(Plan plan, const GemmProblem& p, Epilogue e, int sms, Fn&& fn) {
+  const bool sk = prefer_stream_k(p, e, sms);
+  using namespace sm90;
   switch (plan) {
-    case Plan::kSm90Tf32: return fn(sm90::Tf32Wide{}, sm90::Tf32Square{});
-    case Plan::kSm90Bf16: return fn(sm90::Bf16Wide{}, sm90::Bf16Square{});
-    case Plan::kSm90Fp16: return fn(sm90::Fp16Wide{}, sm90::Fp16Square{});
+    case Plan::kSm90Tf32: return pick_config<Tf32Wide, Tf32WideSK, Tf32Square, Tf32SquareSK>(e, sk, fn);
+    case Plan::kSm90Bf16: return pick_config<Bf16Wide, Bf16WideSK, Bf16Square, Bf16SquareSK>(e, sk, fn);
+    case Plan::kSm90Fp16: return pick_config<Fp16Wide, Fp16WideSK, Fp16Square, Fp16SquareSK>(e, sk, fn);
     default: throw std::logic_error("epifuse: not a tensor-core plan");
   }
+}
+
+int current_device() {
+  int device = 0;
+  cudaGetDevice(&device);
+  return device;
 }
 
 }  // namespace
 
 const char* gemm_plan_name(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
   const bool affine = e == Epilogue::kAffine;
+  const bool sk = prefer_stream_k(p, e, sm_count(current_device()));
   switch (choose_plan(p, e, nullptr, cc_major, cc_minor)) {
     case Plan::kEmpty: return "empty";
     case Plan::kFallback: return affine ? "simt_gemm+column_affine" : "simt_gemm+column_stats";
-    case Plan::kSm90Tf32: return affine ? "sm90_tf32_128x256x32_affine" : "sm90_tf32_128x128x32_colstats";
-    case Plan::kSm90Bf16: return affine ? "sm90_bf16_128x256x64_affine" : "sm90_bf16_128x128x64_colstats";
-    case Plan::kSm90Fp16: return affine ? "sm90_fp16_128x256x64_affine" : "sm90_fp16_128x128x64_colstats";
+    case Plan::kSm90Tf32:
+      return affine ? (sk ? "sm90_tf32_128x256x32_streamk_affine" : "sm90_tf32_128x256x32_affine")
+                    : (sk ? "sm90_tf32_128x128x32_streamk_colstats" : "sm90_tf32_128x128x32_colstats");
+    case Plan::kSm90Bf16:
+      return affine ? (sk ? "sm90_bf16_128x256x64_streamk_affine" : "sm90_bf16_128x256x64_affine")
+                    : (sk ? "sm90_bf16_128x128x64_streamk_colstats" : "sm90_bf16_128x128x64_colstats");
+    case Plan::kSm90Fp16:
+      return affine ? (sk ? "sm90_fp16_128x256x64_streamk_affine" : "sm90_fp16_128x256x64_affine")
+                    : (sk ? "sm90_fp16_128x128x64_streamk_colstats" : "sm90_fp16_128x128x64_colstats");
   }
   return "unknown";
 }
@@ -82,13 +115,13 @@ const char* gemm_plan_name(const GemmProblem& p, Epilogue e, int cc_major, int c
 size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
   const Plan plan = choose_plan(p, e, nullptr, cc_major, cc_minor);
   if (plan == Plan::kEmpty || plan == Plan::kFallback) return 0;
-  int device = 0;
-  cudaGetDevice(&device);
+  const int device = current_device();
+  const int sms = sm_count(device);
   size_t bytes = 0;
-  with_sm90_configs(plan, [&](auto affine_cfg, auto stats_cfg) {
-    bytes = e == Epilogue::kAffine
-                ? sm90::affine_workspace_bytes<decltype(affine_cfg)>(p, sm_count(device))
-                : sm90::column_stats_workspace_bytes<decltype(stats_cfg)>(p, sm_count(device));
+  with_sm90_config(plan, p, e, sms, [&](auto cfg) {
+    using Config = decltype(cfg);
+    bytes = e == Epilogue::kAffine ? sm90::affine_workspace_bytes<Config>(p, device, sms)
+                                   : sm90::column_stats_workspace_bytes<Config>(p, device, sms);
   });
   return bytes;
 }
@@ -118,11 +151,13 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
     epilogue_pass(p, e, ops, stream);
     return;
   }
-  with_sm90_configs(plan, [&](auto affine_cfg, auto stats_cfg) {
+  const int sms = sm_count(device);
+  with_sm90_config(plan, p, e, sms, [&](auto cfg) {
+    using Config = decltype(cfg);
     if (e == Epilogue::kAffine) {
-      sm90::run_affine<decltype(affine_cfg)>(p, ops, workspace, device, sm_count(device), stream);
+      sm90::run_affine<Config>(p, ops, workspace, device, sms, stream);
     } else {
-      sm90::run_column_stats<decltype(stats_cfg)>(p, ops, workspace, device, sm_count(device), stream);
+      sm90::run_column_stats<Config>(p, ops, workspace, device, sms, stream);
     }
   });
 }

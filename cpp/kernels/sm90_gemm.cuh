@@ -22,11 +22,15 @@ namespace epifuse::sm90 {
 
 using namespace cute;
 
-template <class ElementIn_, class TileShape_, class ClusterShape_>
+// Scheduler: cutlass::gemm::PersistentScheduler (data-parallel over output tiles) or
+// cutlass::gemm::StreamKScheduler (splits the K loop across CTAs when there are too few tiles to
+// fill the GPU; CUTLASS's heuristic falls back to data-parallel when they do).
+template <class ElementIn_, class TileShape_, class ClusterShape_, class Scheduler_>
 struct TileConfig {
   using ElementIn = ElementIn_;
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
+  using Scheduler = Scheduler_;
 };
 
 // FusionOf<TileShape, ElementD> is an EVT from epilogues.hpp.
@@ -59,7 +63,7 @@ struct GemmKernel {
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
                                                       CollectiveEpilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+                                                      typename Config::Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Arguments = typename Gemm::Arguments;
 
@@ -81,9 +85,10 @@ struct GemmKernel {
         hw_info};
   }
 
-  static size_t workspace_bytes(const GemmProblem& p, int sm_count) {
-    // The workspace (the column reductions' partials and tile counters) depends on the shape only.
-    return Gemm::get_workspace_size(make_arguments(p, {}, 0, sm_count));
+  static size_t workspace_bytes(const GemmProblem& p, int device, int sm_count) {
+    // The workspace (column-reduction partials and tile counters, stream-K partial accumulators)
+    // depends on the shape and the GPU, not on the pointers.
+    return Gemm::get_workspace_size(make_arguments(p, {}, device, sm_count));
   }
 
   static void run(const GemmProblem& p, typename Fusion::Arguments fusion_args, void* workspace,
@@ -107,8 +112,8 @@ struct GemmKernel {
 // units (declared `extern template` in sm90_gemm_configs.hpp so the dispatcher never instantiates a
 // kernel itself).
 template <class Config>
-size_t affine_workspace_bytes(const GemmProblem& p, int sm_count) {
-  return GemmKernel<Config, evt::PerColumnAffine>::workspace_bytes(p, sm_count);
+size_t affine_workspace_bytes(const GemmProblem& p, int device, int sm_count) {
+  return GemmKernel<Config, evt::PerColumnAffine>::workspace_bytes(p, device, sm_count);
 }
 
 template <class Config>
@@ -120,8 +125,8 @@ void run_affine(const GemmProblem& p, const EpilogueOperands& ops, void* workspa
 }
 
 template <class Config>
-size_t column_stats_workspace_bytes(const GemmProblem& p, int sm_count) {
-  return GemmKernel<Config, evt::ColumnStatistics>::workspace_bytes(p, sm_count);
+size_t column_stats_workspace_bytes(const GemmProblem& p, int device, int sm_count) {
+  return GemmKernel<Config, evt::ColumnStatistics>::workspace_bytes(p, device, sm_count);
 }
 
 template <class Config>
@@ -133,12 +138,12 @@ void run_column_stats(const GemmProblem& p, const EpilogueOperands& ops, void* w
 }
 
 #define EPIFUSE_SM90_INSTANTIATE_AFFINE(Config)                                                  \
-  template size_t affine_workspace_bytes<Config>(const GemmProblem&, int);                       \
+  template size_t affine_workspace_bytes<Config>(const GemmProblem&, int, int);                  \
   template void run_affine<Config>(const GemmProblem&, const EpilogueOperands&, void*, int, int, \
                                    cudaStream_t);
 
 #define EPIFUSE_SM90_INSTANTIATE_COLUMN_STATS(Config)                                            \
-  template size_t column_stats_workspace_bytes<Config>(const GemmProblem&, int);                 \
+  template size_t column_stats_workspace_bytes<Config>(const GemmProblem&, int, int);            \
   template void run_column_stats<Config>(const GemmProblem&, const EpilogueOperands&, void*, int, \
                                          int, cudaStream_t);
 

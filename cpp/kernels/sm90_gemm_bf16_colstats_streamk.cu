@@ -1,0 +1,6 @@
+// Instantiates the bf16 Hopper GEMM with the column-statistics epilogue, stream-K scheduled.
+#include "sm90_gemm_configs.hpp"
+
+namespace epifuse::sm90 {
+EPIFUSE_SM90_INSTANTIATE_COLUMN_STATS(Bf16SquareSK)
+}  // namespace epifuse::sm90

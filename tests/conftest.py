@@ -58,3 +58,9 @@ def fused_on_cpu(monkeypatch):
     from epifuse import head
 
     monkeypatch.setattr(head, "_device_reason", lambda x: None)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="epifuse: also run the long randomized tests "
+                          "(same as EPIFUSE_LONG_TESTS=1)")

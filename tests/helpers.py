@@ -78,3 +78,11 @@ def float64_twin(model: nn.Module) -> nn.Module:
 ORACLE_TOL = {"ieee": 2e-5, "tf32": 3e-3, "fp16": 1e-2, "bf16": 2e-2}
 DTYPE_OF = {"ieee": torch.float32, "tf32": torch.float32, "fp16": torch.float16,
             "bf16": torch.bfloat16}
+
+
+def long_tests_requested(config) -> bool:
+    """Whether the long test variants run: pytest --long or EPIFUSE_LONG_TESTS=1."""
+    import os
+
+    return bool(config.getoption("--long", default=False)) or \
+        os.environ.get("EPIFUSE_LONG_TESTS", "") not in ("", "0")

@@ -1,0 +1,401 @@
+"""Bad input: ModelNew fails (or propagates NaN/Inf) exactly like the reference Model.
+
+* Input errors (rank, feature count, dtype, integer input, training batch of 1, devices):
+  ModelNew must raise the same exception type as Model, both messages must name the
+  problem, and the module state afterwards must equal Model's (PyTorch's BatchNorm bumps
+  num_batches_tracked before it rejects a batch of 1: so must ModelNew).
+  The CPU tests run each case twice: as shipped (CPU input -> reference path) and with the
+  device check bypassed (``fused_on_cpu``), where a missing fast-path guard would send the
+  bad input into the ops' CPU kernels and fail differently (or not at all).
+* NaN / +-Inf in the input reach the same output positions (and running statistics) as in
+  the reference: CPU through the fused_on_cpu op sequence, GPU through the CUDA kernels.
+  In training one NaN row poisons every column's batch statistics, as in PyTorch: we
+  compare masks, not values.
+* The ops themselves on bad arguments (GPU): PyTorch-style exceptions, no crash, no hang,
+  and the CUDA context still works afterwards.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from epifuse import head, ops
+from helpers import ORACLE_TOL, init_args, make_pair, rel_err
+
+CUDA = torch.device("cuda")
+IN, OUT = 24, 16
+NUMBERS = [pytest.param(84, id="p84"), pytest.param(39, id="p39")]
+
+
+# --------------------------------------------------------------------------- shared checks
+
+def _state(model):
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def assert_raises_like_model(ref, new, x, key: str):
+    """Model(x) raises; ModelNew(x) raises the same type; both messages match ``key``."""
+    before = _state(new)
+    assert all(torch.equal(before[k], v) for k, v in _state(ref).items()), "models differ"
+    with pytest.raises(Exception) as ref_info:  # the type is what we learn here
+        ref(x)
+    with pytest.raises(Exception) as new_info:
+        new(x)
+    e_ref, e_new = ref_info.value, new_info.value
+    assert type(e_new) is type(e_ref), (
+        f"ModelNew raised {type(e_new).__name__}: {e_new}\n"
+        f"Model raised {type(e_ref).__name__}: {e_ref}")
+    for who, e in (("Model", e_ref), ("ModelNew", e_new)):
+        assert re.search(key, str(e), re.IGNORECASE), f"{who}'s message lacks /{key}/: {e}"
+    after_ref, after_new = _state(ref), _state(new)
+    for k, v in after_ref.items():
+        assert torch.equal(after_new[k], v), f"{k} after the error: {after_new[k]} vs Model's {v}"
+    return e_ref, e_new
+
+
+def _bad_inputs(device, k=IN):
+    """(id, input, exception type Model raises, key fact) for input-only errors."""
+    return [
+        ("1d", torch.rand(k, device=device), ValueError, r"2D or 3D.*1D"),
+        ("3d", torch.rand(2, 3, k, device=device), RuntimeError, r"running_mean.*3"),
+        ("features", torch.rand(5, k + 1, device=device), RuntimeError,
+         rf"shapes cannot be multiplied.*5x{k + 1}"),
+        ("int64", torch.randint(0, 5, (5, k), device=device), RuntimeError, r"dtype.*Long"),
+        ("int32", torch.randint(0, 5, (5, k), device=device, dtype=torch.int32), RuntimeError,
+         r"dtype.*Int"),
+        ("bool", torch.rand(5, k, device=device) > 0.5, RuntimeError, r"dtype.*Bool"),
+    ]
+
+
+BAD_IDS = [case[0] for case in _bad_inputs("cpu")]
+
+
+def _run_bad_input(number, case_id, training, device):
+    ref, new = make_pair(number, init_args(number, IN, OUT))
+    ref.to(device).train(training), new.to(device).train(training)
+    _, x, exc, key = next(c for c in _bad_inputs(device) if c[0] == case_id)
+    e_ref, _ = assert_raises_like_model(ref, new, x, key)
+    assert isinstance(e_ref, exc)  # the expectation itself is pinned, so a change shows
+
+
+def _run_dtype_mismatch(number, model_dtype, x_dtype, training, device):
+    ref, new = make_pair(number, init_args(number, IN, OUT))
+    ref.to(device, model_dtype).train(training), new.to(device, model_dtype).train(training)
+    x = torch.rand(6, IN, device=device, dtype=x_dtype)
+    assert head.fast_path_reason(new, x) is not None
+    e_ref, _ = assert_raises_like_model(ref, new, x, r"same dtype|dtype")
+    assert isinstance(e_ref, RuntimeError)
+
+
+def _run_batch_of_one(number, device, dtype=torch.float32):
+    ref, new = make_pair(number, init_args(number, IN, OUT))
+    ref.to(device, dtype).train(), new.to(device, dtype).train()
+    x = torch.rand(1, IN, device=device, dtype=dtype)
+    e_ref, _ = assert_raises_like_model(ref, new, x, r"more than 1 value per channel")
+    assert isinstance(e_ref, ValueError)
+    # Eval accepts a batch of 1, and so must ModelNew (same values).
+    ref.eval(), new.eval()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    with torch.no_grad():
+        assert rel_err(new(x), ref(x)) <= tol
+
+
+# --------------------------------------------------------------------------- CPU
+
+@pytest.fixture(params=["reference", "fused_on_cpu"])
+def route(request):
+    """Run a CPU test as shipped, and again with head.py's device check bypassed."""
+    if request.param == "fused_on_cpu":
+        request.getfixturevalue("fused_on_cpu")
+    return request.param
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("case_id", BAD_IDS)
+@pytest.mark.parametrize("number", NUMBERS)
+def test_bad_input_cpu(number, case_id, mode, route):
+    _run_bad_input(number, case_id, mode == "train", "cpu")
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("model_dtype,x_dtype", [
+    (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+    (torch.float16, torch.bfloat16), (torch.float64, torch.float32)],
+    ids=["bf16model-fp32x", "fp32model-bf16x", "fp16model-bf16x", "fp64model-fp32x"])
+@pytest.mark.parametrize("number", NUMBERS)
+def test_dtype_mismatch_cpu(number, model_dtype, x_dtype, mode, route):
+    _run_dtype_mismatch(number, model_dtype, x_dtype, mode == "train", "cpu")
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_training_batch_of_one_cpu(number, route):
+    _run_batch_of_one(number, "cpu")
+
+
+def test_fused_on_cpu_route_is_really_fused(fused_on_cpu):
+    """Guard for the tests above: with the fixture, a good input does take the fused path."""
+    _, new = make_pair(84, init_args(84, IN, OUT))
+    assert head.fast_path_reason(new.train(), torch.rand(4, IN)) is None
+
+
+def _poisoned(m, k, poison, device, seed=0, rows=(1, 5)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(m, k, generator=g)
+    vals = {"nan": [float("nan")], "posinf": [float("inf")], "neginf": [float("-inf")],
+            "mixed": [float("nan"), float("inf"), float("-inf")]}[poison]
+    for i, r in enumerate(rows):
+        col = int(torch.randint(0, k, (1,), generator=g))
+        x[r, col] = vals[i % len(vals)]
+    if poison == "mixed":  # one row with +inf and -inf products: inf - inf = NaN inside the GEMM
+        x[rows[0] + 1, 0], x[rows[0] + 1, 1] = float("inf"), float("-inf")
+    return x.to(device)
+
+
+def _check_nonfinite_like_model(ref, new, x, training, tol):
+    ref.train(training), new.train(training)
+    with torch.no_grad():
+        y_ref, y_new = ref(x), new(x)
+    assert torch.equal(torch.isnan(y_new), torch.isnan(y_ref)), (
+        f"NaN positions differ: ModelNew {int(torch.isnan(y_new).sum())} NaNs, "
+        f"Model {int(torch.isnan(y_ref).sum())}")
+    assert torch.equal(torch.isinf(y_new), torch.isinf(y_ref)), "Inf positions differ"
+    assert torch.equal(torch.signbit(y_new[torch.isinf(y_ref)]),
+                       torch.signbit(y_ref[torch.isinf(y_ref)])), "Inf signs differ"
+    bad_rows = ~torch.isfinite(x).all(dim=1)
+    if training:  # PyTorch: batch statistics of every column are poisoned
+        assert not torch.isfinite(y_ref).any()
+    else:  # only the poisoned rows; the others must still be right
+        assert torch.isfinite(y_ref[~bad_rows]).all()
+        assert (~torch.isfinite(y_ref[bad_rows])).any(dim=1).all()
+        assert rel_err(y_new[~bad_rows], y_ref[~bad_rows]) <= tol
+    for name in ("running_mean", "running_var"):
+        r, n = getattr(ref.bn, name), getattr(new.bn, name)
+        assert torch.equal(torch.isfinite(n), torch.isfinite(r)), (
+            f"{name}: ModelNew {n.tolist()[:4]}... vs Model {r.tolist()[:4]}...")
+    assert new.bn.num_batches_tracked.item() == ref.bn.num_batches_tracked.item()
+
+
+POISONS = ["nan", "posinf", "neginf", "mixed"]
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("number", NUMBERS)
+def test_nan_inf_propagate_cpu(number, poison, mode, fused_on_cpu):
+    ref, new = make_pair(number, init_args(number, IN, OUT))
+    x = _poisoned(9, IN, poison, "cpu")
+    assert head.fast_path_reason(new.train(mode == "train"), x) is None
+    _check_nonfinite_like_model(ref, new, x, mode == "train", 1e-5)
+
+
+# --------------------------------------------------------------------------- GPU: ModelNew
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("case_id", BAD_IDS)
+@pytest.mark.parametrize("number", NUMBERS)
+def test_bad_input_cuda(number, case_id, mode):
+    _run_bad_input(number, case_id, mode == "train", CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_dtype,x_dtype", [
+    (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+    (torch.float16, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=["bf16model-fp32x", "fp32model-bf16x", "fp16model-bf16x", "fp32model-fp16x"])
+@pytest.mark.parametrize("number", NUMBERS)
+def test_dtype_mismatch_cuda(number, model_dtype, x_dtype):
+    for training in (True, False):
+        _run_dtype_mismatch(number, model_dtype, x_dtype, training, CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("number", NUMBERS)
+def test_training_batch_of_one_cuda(number, dtype):
+    _run_batch_of_one(number, CUDA, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("where", ["cuda-input-cpu-model", "cpu-input-cuda-model"])
+@pytest.mark.parametrize("number", NUMBERS)
+def test_device_mismatch(number, where, mode):
+    ref, new = make_pair(number, init_args(number, IN, OUT))
+    x = torch.rand(6, IN)
+    if where == "cuda-input-cpu-model":
+        x = x.to(CUDA)
+    else:
+        ref.to(CUDA), new.to(CUDA)
+    ref.train(mode == "train"), new.train(mode == "train")
+    assert head.fast_path_reason(new, x) is not None
+    e_ref, _ = assert_raises_like_model(ref, new, x, r"same device|device")
+    assert isinstance(e_ref, RuntimeError)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number", NUMBERS)
+def test_partly_moved_model(number):
+    """Buffers left on CPU while parameters are on CUDA: the reference's error, not a crash."""
+    ref, new = make_pair(number, init_args(number, IN, OUT))
+    for m in (ref, new):
+        m.to(CUDA)
+        m.bn.running_mean = m.bn.running_mean.cpu()
+    x = torch.rand(6, IN, device=CUDA)
+    assert head.fast_path_reason(new.train(), x) is not None
+    ref.train()
+    assert_raises_like_model(ref, new, x, r"device|cpu|cuda")
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("kind", ["ieee", "tf32"])
+@pytest.mark.parametrize("poison", POISONS)
+@pytest.mark.parametrize("number", NUMBERS)
+def test_nan_inf_propagate_cuda(number, poison, kind, mode):
+    """Ragged multi-tile shape (M, N not multiples of 128), TMA-aligned so tf32 is fused."""
+    ref, new = make_pair(number, init_args(number, 96, 264), precision=kind)
+    ref.to(CUDA), new.to(CUDA)
+    x = _poisoned(300, 96, poison, CUDA, rows=(3, 130, 299))
+    assert head.fast_path_reason(new.train(mode == "train"), x) is None
+    _check_nonfinite_like_model(ref, new, x, mode == "train", 2 * ORACLE_TOL[kind])
+
+
+# --------------------------------------------------------------------------- GPU: the ops
+
+@pytest.fixture
+def healthy_cuda():
+    """After the test: no sticky CUDA error, and a valid op still gives the right answer."""
+    yield
+    torch.cuda.synchronize()
+    x, w = torch.rand(5, 8, device=CUDA), torch.rand(3, 8, device=CUDA)
+    a, c = torch.full((3,), 2.0, device=CUDA), torch.ones(3, device=CUDA)
+    y = ops.gemm_affine(x, w, a, c, "ieee")
+    torch.cuda.synchronize()
+    assert rel_err(y, 2 * x.double() @ w.double().T + 1) <= 1e-6
+
+
+def _vec(n, dtype=torch.float32):
+    return torch.rand(n, device=CUDA, dtype=dtype) + 0.5
+
+
+def _fold_args(n=3, count=5, dtype=torch.float32):
+    colsum = torch.rand(n, device=CUDA, dtype=torch.float64)
+    colsumsq = colsum * colsum + 1
+    stats = (torch.zeros(n, device=CUDA, dtype=dtype), torch.ones(n, device=CUDA, dtype=dtype),
+             torch.zeros((), device=CUDA, dtype=torch.long))
+    return [colsum, colsumsq, count, None, _vec(n, dtype), _vec(n, dtype), None, None, *stats,
+            0.1, 1e-5]
+
+
+def _gemm_case(name):
+    x, w = torch.rand(5, 7, device=CUDA), torch.rand(3, 7, device=CUDA)
+    a, c = _vec(3), _vec(3)
+    cases = {
+        "K-mismatch": ((x, torch.rand(3, 8, device=CUDA), a, c, "ieee"), RuntimeError,
+                       r"shapes cannot be multiplied \(5x7 and 8x3\)"),
+        "dtype-mismatch": ((x, w.bfloat16(), a, c, "ieee"), RuntimeError,
+                           r"same dtype.*Float.*BFloat16"),
+        "a-length": ((x, w, _vec(4), c, "ieee"), RuntimeError, r"\ba\b.*\[3\].*\[4\]"),
+        "c-length": ((x, w, a, _vec(2), "ieee"), RuntimeError, r"\bc\b.*\[3\].*\[2\]"),
+        "a-dtype": ((x, w, a.double(), c, "ieee"), RuntimeError, r"float32|Float"),
+        "a-on-cpu": ((x, w, a.cpu(), c, "ieee"), RuntimeError, r"CUDA|device"),
+        "x-on-cpu": ((x.cpu(), w, a, c, "ieee"), RuntimeError, r"CUDA|device"),
+        "precision-bogus": ((x, w, a, c, "bogus"), ValueError, r"precision.*bogus"),
+        "fp32-no-precision": ((x, w, a, c, ""), ValueError, r"precision"),
+        "int-x": ((x.int(), w, a, c, "ieee"), RuntimeError, r"dtype|Int"),
+        "int-x-and-w": ((x.int(), w.int(), a, c, "ieee"), RuntimeError, r"Int"),
+        "x-3d": ((x[None], w, a, c, "ieee"), RuntimeError, r"2-D"),
+    }
+    return cases[name]
+
+
+GEMM_ERRORS = ["K-mismatch", "dtype-mismatch", "a-length", "c-length", "a-dtype", "a-on-cpu",
+               "x-on-cpu", "precision-bogus", "fp32-no-precision", "int-x", "int-x-and-w", "x-3d"]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("name", GEMM_ERRORS)
+def test_gemm_affine_errors(name, healthy_cuda):
+    args, exc, key = _gemm_case(name)
+    with pytest.raises(exc, match=key):
+        torch.ops.epifuse.gemm_affine(*args)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("name", ["K-mismatch", "dtype-mismatch", "precision-bogus", "int-x",
+                                  "int-x-and-w", "x-3d"])
+def test_gemm_colstats_errors(name, healthy_cuda):
+    (x, w, _, _, precision), exc, key = _gemm_case(name)
+    with pytest.raises(exc, match=key):
+        torch.ops.epifuse.gemm_colstats(x, w, precision)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("count", [1, 0, -3])
+def test_bn_fold_train_rejects_small_count(count, healthy_cuda):
+    args = _fold_args(count=count)
+    nbt, rv = args[10], args[9]
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        torch.ops.epifuse.bn_fold_train(*args)
+    torch.cuda.synchronize()
+    assert nbt.item() == 0 and torch.equal(rv, torch.ones_like(rv)), "state changed on error"
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("name,index,value,exc,key", [
+    ("gamma-length", 4, "vec4", RuntimeError, r"beta|gamma"),
+    ("beta-dtype", 5, "vec3-bf16", RuntimeError, r"dtype"),
+    ("running_mean-length", 8, "vec4", RuntimeError, r"running_mean"),
+    ("running_var-dtype", 9, "vec3-f64", RuntimeError, r"running_var"),
+    ("nbt-dtype", 10, "int32-scalar", RuntimeError, r"num_batches_tracked"),
+    ("colsum-float32", 0, "vec3", RuntimeError, r"float64|colsum"),
+    ("momentum>1", 11, 1.5, ValueError, r"momentum"),
+    ("eps<0", 12, -1.0, ValueError, r"eps"),
+])
+def test_bn_fold_train_bad_arguments(name, index, value, exc, key, healthy_cuda):
+    args = _fold_args()
+    args[index] = {"vec4": lambda: _vec(4), "vec3": lambda: _vec(3),
+                   "vec3-bf16": lambda: _vec(3, torch.bfloat16),
+                   "vec3-f64": lambda: _vec(3, torch.float64),
+                   "int32-scalar": lambda: torch.zeros((), device=CUDA, dtype=torch.int32),
+                   }.get(value, lambda: value)()
+    with pytest.raises(exc, match=key):
+        torch.ops.epifuse.bn_fold_train(*args)
+
+
+@pytest.mark.hopper
+def test_bn_fold_eval_bad_arguments(healthy_cuda):
+    args = _fold_args()
+    bias, gamma, beta, rm, rv = _vec(3), args[4], args[5], args[8], args[9]
+    with pytest.raises(RuntimeError, match="running_var"):
+        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, None, rm, _vec(5), 1e-5)
+    with pytest.raises(RuntimeError, match="post_scale"):
+        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, _vec(2), rm, rv, 1e-5)
+    with pytest.raises(RuntimeError, match="CUDA|device"):
+        torch.ops.epifuse.bn_fold_eval(bias.cpu(), gamma, beta, None, None, rm, rv, 1e-5)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("op", ["affine_softmax", "affine_softmax_", "affine_"])
+def test_row_ops_bad_arguments(op, healthy_cuda):
+    f = getattr(torch.ops.epifuse, op)
+    z = torch.rand(4, 3, device=CUDA)
+    z0 = z.clone()
+    a, c = _vec(3), _vec(3)
+    with pytest.raises(RuntimeError, match="2-D"):
+        f(z[None], a, c)
+    with pytest.raises(RuntimeError, match=r"\[3\]"):
+        f(z, _vec(4), c)
+    with pytest.raises(RuntimeError, match="not implemented for 'Int'|Int"):
+        f(z.int(), a, c)
+    with pytest.raises(RuntimeError, match="CUDA|device"):
+        f(z, a.cpu(), c)
+    if op != "affine_":
+        with pytest.raises(RuntimeError, match="both a and c"):
+            f(z, a, None)
+    # The in-place ops must not have touched z on any of the failures above.
+    assert torch.equal(z, z0)

@@ -1,7 +1,7 @@
 // out = softmax(a[n] * in + c[n]) along each row of an [M, N] matrix (a, c optional).
 //
 // Bandwidth-bound: the row is read once into registers and written once.
-//  - Narrow rows (N <= 1024 fp32): one warp per row, several rows per 256-thread block.
+//  - Narrow rows (N <= 1024 fp32): 4..32 lanes of a warp per row, several rows per 256-thread block.
 //  - Wide rows: 64..1024 threads per row (2..32 warps), each thread holding up to 32 elements;
 //    the row max and sum cross warps through shared memory. Covers N <= 32768.
 //  - Wider rows: a looped block-per-row kernel (online max/sum, then a second read to write).
@@ -17,15 +17,30 @@ namespace {
 constexpr int kMaxElemsPerThread = 32;
 constexpr int kNarrowBlock = 256;
 
-__device__ __forceinline__ float warp_max(float v) {
+// Reductions across the kWidth lanes (a power of two <= 32) that share a row.
+template <int kWidth>
+__device__ __forceinline__ float lanes_max(float v) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  for (int off = kWidth / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
 }
-__device__ __forceinline__ float warp_sum(float v) {
+template <int kWidth>
+__device__ __forceinline__ float lanes_sum(float v) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  for (int off = kWidth / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
+}
+
+// exp for the softmax numerators. 16-bit outputs cannot see the difference between expf and the
+// hardware exp2 (a few fp32 ulp), so they take the cheaper one: at 2 bytes per element the pass
+// would otherwise be bound by expf's instruction count rather than by memory bandwidth.
+template <class T>
+__device__ __forceinline__ float softmax_exp(float x) {
+  if constexpr (sizeof(T) == 2) {
+    return exp2f(x * 1.4426950408889634f);
+  } else {
+    return expf(x);
+  }
 }
 
 // Combines one value per warp across the kWarpsPerRow warps of a row (no-op for one warp).
@@ -45,7 +60,8 @@ __device__ __forceinline__ float row_combine(float v, float* scratch, int row_in
   }
 }
 
-// kThreadsPerRow threads own one row; each thread holds kElems elements in kElems / kVec vectors,
+// kThreadsPerRow threads own one row (4..32 lanes of a warp, or 2..32 whole warps); each thread
+// holds kElems elements in kElems / kVec vectors,
 // vector i of thread t covering columns (i * kThreadsPerRow + t) * kVec + [0, kVec).
 template <class T, int kVec, int kElems, int kThreadsPerRow>
 __global__ void __launch_bounds__(kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock)
@@ -53,7 +69,8 @@ affine_softmax_rows(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, in
                     const float* __restrict__ a, const float* __restrict__ c) {
   constexpr int kBlock = kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock;
   constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
-  constexpr int kWarpsPerRow = kThreadsPerRow / 32;
+  constexpr int kWarpsPerRow = kThreadsPerRow >= 32 ? kThreadsPerRow / 32 : 1;
+  constexpr int kLanes = kThreadsPerRow >= 32 ? 32 : kThreadsPerRow;  // shuffle width
   constexpr int kVecsPerThread = kElems / kVec;
   using V = Vec16<T>;
   static_assert(kVec == 1 || kVec == V::kSize, "vector width is 1 or 16 bytes");
@@ -93,7 +110,7 @@ affine_softmax_rows(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, in
     }
   }
   const float row_max =
-      row_combine<kWarpsPerRow, true>(warp_max(thread_max), scratch_max, row_in_block, warp_in_row);
+      row_combine<kWarpsPerRow, true>(lanes_max<kLanes>(thread_max), scratch_max, row_in_block, warp_in_row);
 
   float thread_sum = 0.f;
 #pragma unroll
@@ -102,13 +119,13 @@ affine_softmax_rows(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, in
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       // Columns past N hold -inf; exclude them explicitly so an all -inf row yields NaN like torch.
-      const float e = (col0 < N) ? expf(vals[i * kVec + j] - row_max) : 0.f;
+      const float e = (col0 < N) ? softmax_exp<T>(vals[i * kVec + j] - row_max) : 0.f;
       vals[i * kVec + j] = e;
       thread_sum += e;
     }
   }
   const float row_sum =
-      row_combine<kWarpsPerRow, false>(warp_sum(thread_sum), scratch_sum, row_in_block, warp_in_row);
+      row_combine<kWarpsPerRow, false>(lanes_sum<kLanes>(thread_sum), scratch_sum, row_in_block, warp_in_row);
   const float inv_sum = 1.f / row_sum;
 
   if (!row_valid) return;
@@ -185,7 +202,7 @@ affine_softmax_rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, T* 
     load(col0, v);
     T res[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) res[j] = from_float<T>(expf(v[j] - total.m) * inv_sum);
+    for (int j = 0; j < kVec; ++j) res[j] = from_float<T>(softmax_exp<T>(v[j] - total.m) * inv_sum);
     if constexpr (kVec > 1) {
       *reinterpret_cast<V*>(dst + col0) = *reinterpret_cast<V*>(res);
     } else {
@@ -209,6 +226,10 @@ template <class T, int kVec>
 void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
             const float* a, const float* c, cudaStream_t stream) {
   constexpr int E = kMaxElemsPerThread;
+  // Short rows: a group of 4..32 lanes per row, one vector per lane, so no lane idles.
+  if (N <= 4 * kVec) return launch_rows<T, kVec, kVec, 4>(M, N, in, ld_in, out, ld_out, a, c, stream);
+  if (N <= 8 * kVec) return launch_rows<T, kVec, kVec, 8>(M, N, in, ld_in, out, ld_out, a, c, stream);
+  if (N <= 16 * kVec) return launch_rows<T, kVec, kVec, 16>(M, N, in, ld_in, out, ld_out, a, c, stream);
   // One warp per row: the row fits in 32 threads x kElems.
   if (N <= 32 * kVec) return launch_rows<T, kVec, kVec, 32>(M, N, in, ld_in, out, ld_out, a, c, stream);
   if constexpr (2 * kVec <= E)

@@ -45,7 +45,10 @@ bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* _
     double mu, invstd;
     if (training) {
       const double mean_z = colsum[n] / double(count);
-      const double var_z = fmax(colsumsq[n] / double(count) - mean_z * mean_z, 0.0);
+      // Clamp rounding below zero, but let NaN through (fmax would turn it into 0): a NaN or Inf
+      // in the batch must poison the statistics as it does in PyTorch.
+      const double raw_var = colsumsq[n] / double(count) - mean_z * mean_z;
+      const double var_z = raw_var < 0.0 ? 0.0 : raw_var;
       mu = pre * (mean_z + bias);
       const double var_u = pre * pre * var_z;  // biased, as BatchNorm normalizes with
       invstd = 1.0 / sqrt(var_u + f.eps);

@@ -16,6 +16,7 @@
 #include "cutlass/epilogue/fusion/sm90_visitor_load_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/fusion/sm90_visitor_store_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+#include "cutlass/epilogue/thread/activation.h"
 #include "cutlass/functional.h"
 
 namespace epifuse::evt {
@@ -59,23 +60,32 @@ struct FirstOperand {
   CUTLASS_HOST_DEVICE T operator()(T const& first, T const&) const { return first; }
 };
 
+// The accumulator widened to fp64 (exact), the input of the column reductions.
+using AccumulatorAsDouble =
+    fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, double, float, kRound>,
+                    fusion::Sm90AccFetch>;
+
 // Per-column reduction over the rows of the problem, fp64, reduced to [N] in a final
 // deterministic pass by the last CTA of each column tile (FinalReduction = true).
+// VisitCheckOOB = false: rows past M are zero-filled by TMA, so they add 0 to both sums and need
+// no per-element bounds check (which costs registers and instructions in the hot epilogue loop).
 template <template <class> class RegReduce, class CtaTileShapeMNK>
 using ColumnReduction =
     fusion::Sm90RowReduction<RegReduce, cutlass::plus, cutlass::plus, 0, CtaTileShapeMNK,
-                             double, double, kRound>;
+                             double, double, kRound, Stride<_0, _1, _0>, /*Alignment=*/2,
+                             /*EnableNullptr=*/false, /*FinalReduction=*/true,
+                             /*VisitCheckOOB=*/false>;
 
 template <class CtaTileShapeMNK, class ElementD>
 using ColumnStatistics = fusion::Sm90EVT<
-    fusion::Sm90Compute<FirstOperand, ElementD, float, kRound>,                              // D = acc
-    fusion::Sm90EVT<ColumnReduction<cutlass::plus, CtaTileShapeMNK>, fusion::Sm90AccFetch>,   // colsum
-    fusion::Sm90EVT<ColumnReduction<AccumulateSquare, CtaTileShapeMNK>, fusion::Sm90AccFetch>>; // colsumsq
+    fusion::Sm90Compute<FirstOperand, ElementD, float, kRound>,                                // D = acc
+    fusion::Sm90EVT<ColumnReduction<cutlass::plus, CtaTileShapeMNK>, AccumulatorAsDouble>,      // colsum
+    fusion::Sm90EVT<ColumnReduction<AccumulateSquare, CtaTileShapeMNK>, AccumulatorAsDouble>>;  // colsumsq
 
-// Arguments in the tree's order: {{acc, colsum}, {acc, colsumsq}, first-operand}.
+// Arguments in the tree's order: {{{acc, widen}, colsum}, {{acc, widen}, colsumsq}, first-operand}.
 template <class Fusion>
 typename Fusion::Arguments column_statistics_args(double* colsum, double* colsumsq) {
-  return {{{}, {colsum, 0.0}}, {{}, {colsumsq, 0.0}}, {}};
+  return {{{{}, {}}, {colsum, 0.0}}, {{{}, {}}, {colsumsq, 0.0}}, {}};
 }
 
 }  // namespace epifuse::evt

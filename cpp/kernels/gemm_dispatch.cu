@@ -57,20 +57,21 @@ int sm_count(int device) {
 // Stream-K pays for its partial-tile fix-up only when data-parallel tiles cannot fill the GPU:
 // e.g. problem 84 at M <= 512 has at most 128 tiles of 128x256 for 132 SMs.
 bool prefer_stream_k(const GemmProblem& p, Epilogue e, int sms) {
-  const int64_t tile_n = e == Epilogue::kAffine ? 256 : 128;
-  const int64_t tiles = ((p.M + 127) / 128) * ((p.N + tile_n - 1) / tile_n);
+  const bool affine = e == Epilogue::kAffine;  // 128x256 tiles; column statistics: 256x64
+  const int64_t tile_m = affine ? 128 : 256, tile_n = affine ? 256 : 64;
+  const int64_t tiles = ((p.M + tile_m - 1) / tile_m) * ((p.N + tile_n - 1) / tile_n);
   return tiles < sms;
 }
 
 // Calls fn(Config) with the tile configuration of a tensor-core plan.
-template <class Wide, class WideSK, class Square, class SquareSK, class Fn>
+template <class Wide, class WideSK, class Tall, class TallSK, class Fn>
 void pick_config(Epilogue e, bool stream_k, Fn&& fn) {
   if (e == Epilogue::kAffine) {
     if (stream_k) return fn(WideSK{});
     return fn(Wide{});
   }
-  if (stream_k) return fn(SquareSK{});
-  return fn(Square{});
+  if (stream_k) return fn(TallSK{});
+  return fn(Tall{});
 }
 
 template <class Fn>
@@ -78,9 +79,9 @@ void with_sm90_config(Plan plan, const GemmProblem& p, Epilogue e, int sms, Fn&&
   const bool sk = prefer_stream_k(p, e, sms);
   using namespace sm90;
   switch (plan) {
-    case Plan::kSm90Tf32: return pick_config<Tf32Wide, Tf32WideSK, Tf32Square, Tf32SquareSK>(e, sk, fn);
-    case Plan::kSm90Bf16: return pick_config<Bf16Wide, Bf16WideSK, Bf16Square, Bf16SquareSK>(e, sk, fn);
-    case Plan::kSm90Fp16: return pick_config<Fp16Wide, Fp16WideSK, Fp16Square, Fp16SquareSK>(e, sk, fn);
+    case Plan::kSm90Tf32: return pick_config<Tf32Wide, Tf32WideSK, Tf32Tall, Tf32TallSK>(e, sk, fn);
+    case Plan::kSm90Bf16: return pick_config<Bf16Wide, Bf16WideSK, Bf16Tall, Bf16TallSK>(e, sk, fn);
+    case Plan::kSm90Fp16: return pick_config<Fp16Wide, Fp16WideSK, Fp16Tall, Fp16TallSK>(e, sk, fn);
     default: throw std::logic_error("epifuse: not a tensor-core plan");
   }
 }
@@ -101,13 +102,13 @@ const char* gemm_plan_name(const GemmProblem& p, Epilogue e, int cc_major, int c
     case Plan::kFallback: return affine ? "simt_gemm+column_affine" : "simt_gemm+column_stats";
     case Plan::kSm90Tf32:
       return affine ? (sk ? "sm90_tf32_128x256x32_streamk_affine" : "sm90_tf32_128x256x32_affine")
-                    : (sk ? "sm90_tf32_128x128x32_streamk_colstats" : "sm90_tf32_128x128x32_colstats");
+                    : (sk ? "sm90_tf32_256x64x32_streamk_colstats" : "sm90_tf32_256x64x32_colstats");
     case Plan::kSm90Bf16:
       return affine ? (sk ? "sm90_bf16_128x256x64_streamk_affine" : "sm90_bf16_128x256x64_affine")
-                    : (sk ? "sm90_bf16_128x128x64_streamk_colstats" : "sm90_bf16_128x128x64_colstats");
+                    : (sk ? "sm90_bf16_256x64x64_streamk_colstats" : "sm90_bf16_256x64x64_colstats");
     case Plan::kSm90Fp16:
       return affine ? (sk ? "sm90_fp16_128x256x64_streamk_affine" : "sm90_fp16_128x256x64_affine")
-                    : (sk ? "sm90_fp16_128x128x64_streamk_colstats" : "sm90_fp16_128x128x64_colstats");
+                    : (sk ? "sm90_fp16_256x64x64_streamk_colstats" : "sm90_fp16_256x64x64_colstats");
   }
   return "unknown";
 }

@@ -5,11 +5,13 @@
 //  - Affine epilogue (eval): 128x256 tiles, the widest that two consumer warpgroups hold in
 //    registers (128 fp32 accumulators per thread); measured 0.33 ms (414 TFLOP/s) for TF32 on
 //    problem 84's 1024x8192x8192 on an H200.
-//  - Column-statistics epilogue (training): 128x128 tiles. Each thread keeps one fp64 running sum
-//    and one fp64 sum of squares per column it touches (tileN/4 columns), so 128x256 would need
-//    256 more registers per thread; 128x128 needs 128, next to 64 accumulators.
+//  - Column-statistics epilogue (training): 256x64 tiles. Each thread keeps an fp64 running sum
+//    and sum of squares for every column it touches (tileN/4 of them, 4 registers each) next to
+//    its accumulators; 128x128 tiles would need 64 + 128 registers and spill them to local memory
+//    (measured: the GEMM ran at half speed), 256x64 needs 64 + 64.
 //  - K-tile: 128 bytes of K per stage (32 fp32 or 64 16-bit elements), the 128B-swizzle width.
-//  - Cluster 2x1: CTA pairs along M share each w tile through TMA multicast.
+//  - Clusters: wide tiles pair CTAs along M (2x1) to multicast each w tile; tall-narrow tiles
+//    pair them along N (1x2) to multicast each x tile, which they would otherwise re-read N/64 times.
 //  - Stream-K variants for problems with fewer output tiles than SMs (small M): the K loop is
 //    split across CTAs so the whole GPU streams the weight.
 #pragma once
@@ -25,20 +27,21 @@ namespace epifuse::sm90 {
 using cutlass::gemm::PersistentScheduler;
 using cutlass::gemm::StreamKScheduler;
 using Cluster2x1 = Shape<_2, _1, _1>;
+using Cluster1x2 = Shape<_1, _2, _1>;
 
-// <dtype><Wide|Square>: data-parallel persistent; ...SK: stream-K for grids of fewer tiles than SMs.
+// <dtype><Wide|Tall>: data-parallel persistent; ...SK: stream-K for grids of fewer tiles than SMs.
 using Tf32Wide = TileConfig<float, Shape<_128, _256, _32>, Cluster2x1, PersistentScheduler>;
 using Tf32WideSK = TileConfig<float, Shape<_128, _256, _32>, Cluster2x1, StreamKScheduler>;
-using Tf32Square = TileConfig<float, Shape<_128, _128, _32>, Cluster2x1, PersistentScheduler>;
-using Tf32SquareSK = TileConfig<float, Shape<_128, _128, _32>, Cluster2x1, StreamKScheduler>;
+using Tf32Tall = TileConfig<float, Shape<_256, _64, _32>, Cluster1x2, PersistentScheduler>;
+using Tf32TallSK = TileConfig<float, Shape<_256, _64, _32>, Cluster1x2, StreamKScheduler>;
 using Bf16Wide = TileConfig<cutlass::bfloat16_t, Shape<_128, _256, _64>, Cluster2x1, PersistentScheduler>;
 using Bf16WideSK = TileConfig<cutlass::bfloat16_t, Shape<_128, _256, _64>, Cluster2x1, StreamKScheduler>;
-using Bf16Square = TileConfig<cutlass::bfloat16_t, Shape<_128, _128, _64>, Cluster2x1, PersistentScheduler>;
-using Bf16SquareSK = TileConfig<cutlass::bfloat16_t, Shape<_128, _128, _64>, Cluster2x1, StreamKScheduler>;
+using Bf16Tall = TileConfig<cutlass::bfloat16_t, Shape<_256, _64, _64>, Cluster1x2, PersistentScheduler>;
+using Bf16TallSK = TileConfig<cutlass::bfloat16_t, Shape<_256, _64, _64>, Cluster1x2, StreamKScheduler>;
 using Fp16Wide = TileConfig<cutlass::half_t, Shape<_128, _256, _64>, Cluster2x1, PersistentScheduler>;
 using Fp16WideSK = TileConfig<cutlass::half_t, Shape<_128, _256, _64>, Cluster2x1, StreamKScheduler>;
-using Fp16Square = TileConfig<cutlass::half_t, Shape<_128, _128, _64>, Cluster2x1, PersistentScheduler>;
-using Fp16SquareSK = TileConfig<cutlass::half_t, Shape<_128, _128, _64>, Cluster2x1, StreamKScheduler>;
+using Fp16Tall = TileConfig<cutlass::half_t, Shape<_256, _64, _64>, Cluster1x2, PersistentScheduler>;
+using Fp16TallSK = TileConfig<cutlass::half_t, Shape<_256, _64, _64>, Cluster1x2, StreamKScheduler>;
 
 // Instantiated in sm90_gemm_<dtype>_<epilogue>.cu.
 #define EPIFUSE_SM90_EXTERN(Config)                                                               \
@@ -51,16 +54,16 @@ using Fp16SquareSK = TileConfig<cutlass::half_t, Shape<_128, _128, _64>, Cluster
 
 EPIFUSE_SM90_EXTERN(Tf32Wide)
 EPIFUSE_SM90_EXTERN(Tf32WideSK)
-EPIFUSE_SM90_EXTERN(Tf32Square)
-EPIFUSE_SM90_EXTERN(Tf32SquareSK)
+EPIFUSE_SM90_EXTERN(Tf32Tall)
+EPIFUSE_SM90_EXTERN(Tf32TallSK)
 EPIFUSE_SM90_EXTERN(Bf16Wide)
 EPIFUSE_SM90_EXTERN(Bf16WideSK)
-EPIFUSE_SM90_EXTERN(Bf16Square)
-EPIFUSE_SM90_EXTERN(Bf16SquareSK)
+EPIFUSE_SM90_EXTERN(Bf16Tall)
+EPIFUSE_SM90_EXTERN(Bf16TallSK)
 EPIFUSE_SM90_EXTERN(Fp16Wide)
 EPIFUSE_SM90_EXTERN(Fp16WideSK)
-EPIFUSE_SM90_EXTERN(Fp16Square)
-EPIFUSE_SM90_EXTERN(Fp16SquareSK)
+EPIFUSE_SM90_EXTERN(Fp16Tall)
+EPIFUSE_SM90_EXTERN(Fp16TallSK)
 #undef EPIFUSE_SM90_EXTERN
 
 }  // namespace epifuse::sm90

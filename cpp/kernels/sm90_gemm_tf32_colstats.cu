@@ -2,5 +2,5 @@
 #include "sm90_gemm_configs.hpp"
 
 namespace epifuse::sm90 {
-EPIFUSE_SM90_INSTANTIATE_COLUMN_STATS(Tf32Square)
+EPIFUSE_SM90_INSTANTIATE_COLUMN_STATS(Tf32Tall)
 }  // namespace epifuse::sm90

@@ -112,8 +112,9 @@ def _affine64(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> Tensor:
 
 def _gemm64(x: Tensor, weight: Tensor) -> Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"epifuse: expected x [M, K] and weight [N, K], got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+        # RuntimeError, as the CUDA kernels (and torch.mm) raise for mismatched operands.
+        raise RuntimeError(f"epifuse: expected x [M, K] and weight [N, K], got "
+                           f"{tuple(x.shape)} and {tuple(weight.shape)}")
     return x.to(_F64) @ weight.to(_F64).T
 
 
@@ -148,7 +149,7 @@ def _bn_fold_eval_cpu(bias, gamma, beta, pre_scale, post_scale, running_mean, ru
 
 def _affine_softmax64(z, a, c):
     if z.dim() != 2:
-        raise ValueError(f"epifuse: expected a 2-D tensor, got {z.dim()}-D")
+        raise RuntimeError(f"epifuse: expected a 2-D tensor, got {z.dim()}-D")
     return torch.softmax(_affine64(z, a, c), dim=1)
 
 

@@ -42,6 +42,14 @@ void check_cuda(const at::Tensor& t, const char* op, const char* name, const at:
               ref.device(), " and ", t.device(), "! (epifuse::", op, ", argument ", name, ")");
 }
 
+// Makes t's device current for the op. Checks first that t is a CUDA tensor: a guard built from
+// a CPU device is undefined behaviour in release builds of c10.
+c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
+              t.device());
+  return c10::cuda::CUDAGuard(t.device());
+}
+
 // A per-column fp32 vector of length n, contiguous (a copy only if the caller passed a view).
 at::Tensor column_vector(const at::Tensor& v, int64_t n, const char* op, const char* name,
                          const at::Tensor& ref) {
@@ -149,7 +157,7 @@ void run_gemm(const PreparedGemm& g, Epilogue e, const EpilogueOperands& ops) {
 at::Tensor gemm_affine_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& a,
                             const at::Tensor& c, c10::string_view precision) {
   const char* op = "gemm_affine";
-  c10::cuda::CUDAGuard guard(x.device());
+  const auto guard = guard_for(x, op, "x");
   PreparedGemm g = prepare_gemm(x, weight, std::string(precision), op);
   const at::Tensor a32 = column_vector(a, g.problem.N, op, "a", x);
   const at::Tensor c32 = column_vector(c, g.problem.N, op, "c", x);
@@ -164,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_colstats_cuda(const at::Tens
                                                                   const at::Tensor& weight,
                                                                   c10::string_view precision) {
   const char* op = "gemm_colstats";
-  c10::cuda::CUDAGuard guard(x.device());
+  const auto guard = guard_for(x, op, "x");
   PreparedGemm g = prepare_gemm(x, weight, std::string(precision), op);
   auto stats_options = g.x.options().dtype(at::kDouble);
   at::Tensor colsum = at::empty({g.problem.N}, stats_options);
@@ -245,7 +253,7 @@ std::tuple<at::Tensor, at::Tensor> bn_fold_train_cuda(
     const at::Tensor& running_mean, const at::Tensor& running_var,
     const at::Tensor& num_batches_tracked, std::optional<double> momentum, double eps) {
   const char* op = "bn_fold_train";
-  c10::cuda::CUDAGuard guard(gamma.device());
+  const auto guard = guard_for(gamma, op, "gamma");
   FoldProblem f = prepare_fold(bias, gamma, beta, pre_scale, post_scale, eps, op);
   TORCH_CHECK_VALUE(count > 1, "Expected more than 1 value per channel when training, got ", count,
                     " rows");
@@ -278,7 +286,7 @@ std::tuple<at::Tensor, at::Tensor> bn_fold_eval_cuda(
     const std::optional<at::Tensor>& pre_scale, const std::optional<at::Tensor>& post_scale,
     const at::Tensor& running_mean, const at::Tensor& running_var, double eps) {
   const char* op = "bn_fold_eval";
-  c10::cuda::CUDAGuard guard(gamma.device());
+  const auto guard = guard_for(gamma, op, "gamma");
   FoldProblem f = prepare_fold(bias, gamma, beta, pre_scale, post_scale, eps, op);
   check_running(running_mean, "running_mean", gamma, op);
   check_running(running_var, "running_var", gamma, op);
@@ -318,7 +326,7 @@ at::Tensor affine_softmax_cuda(const at::Tensor& z, const std::optional<at::Tens
                                const std::optional<at::Tensor>& c) {
   const char* op = "affine_softmax";
   check_matrix(z, op);
-  c10::cuda::CUDAGuard guard(z.device());
+  const auto guard = guard_for(z, op, "z");
   const AffinePair ac = optional_affine(z, a, c, op);
   const at::Tensor src = rows_with_unit_stride(z);
   at::Tensor out = at::empty(z.sizes(), z.options().memory_format(at::MemoryFormat::Contiguous));
@@ -330,7 +338,7 @@ void affine_softmax_inplace_cuda(const at::Tensor& z, const std::optional<at::Te
                                  const std::optional<at::Tensor>& c) {
   const char* op = "affine_softmax_";
   check_matrix(z, op);
-  c10::cuda::CUDAGuard guard(z.device());
+  const auto guard = guard_for(z, op, "z");
   const AffinePair ac = optional_affine(z, a, c, op);
   if (z.numel() == 0) return;
   if (z.stride(1) == 1 && z.stride(0) >= z.size(1)) {
@@ -345,7 +353,7 @@ void affine_softmax_inplace_cuda(const at::Tensor& z, const std::optional<at::Te
 void affine_inplace_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tensor& c) {
   const char* op = "affine_";
   check_matrix(z, op);
-  c10::cuda::CUDAGuard guard(z.device());
+  const auto guard = guard_for(z, op, "z");
   const at::Tensor a32 = column_vector(a, z.size(1), op, "a", z);
   const at::Tensor c32 = column_vector(c, z.size(1), op, "c", z);
   if (z.numel() == 0) return;

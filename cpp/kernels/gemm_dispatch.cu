@@ -148,7 +148,12 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
     return;
   }
   if (plan == Plan::kFallback) {
-    fallback::gemm(p, stream);
+    if (p.K == 0) {  // an empty sum: z = 0 (and x, w may have no storage for a kernel to read)
+      const size_t elt = p.dtype == DType::kFloat32 ? 4 : 2;
+      cudaMemset2DAsync(p.out, p.ldo * elt, 0, p.N * elt, p.M, stream);
+    } else {
+      fallback::gemm(p, stream);
+    }
     epilogue_pass(p, e, ops, stream);
     return;
   }

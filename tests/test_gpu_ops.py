@@ -51,7 +51,9 @@ def test_gemm_colstats(kind, shape):
     assert rel_err(z, z64) <= tol
     # The Hopper kernels sum the fp32 accumulator; the portable path (taken here by the shapes that
     # are not 16-byte aligned) sums the stored z, so 16-bit inputs see their output rounding.
-    sum_tol = {"tf32": 2e-3, "ieee": 1e-5}.get(precision, 1e-3)
+    # (one rounding of z: up to 2^-9 relative for bf16, 2^-12 for fp16, undiluted when M = 1).
+    sum_tol = {"tf32": 2e-3, "ieee": 1e-5}.get(precision,
+                                               4e-3 if dtype == torch.bfloat16 else 5e-4)
     assert rel_err(colsum, z64.sum(0)) <= sum_tol
     assert rel_err(colsumsq, (z64 ** 2).sum(0)) <= sum_tol
 

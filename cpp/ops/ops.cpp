@@ -22,22 +22,50 @@
 namespace epifuse {
 namespace {
 
+// ---- error messages --------------------------------------------------------------------------
+// Messages are assembled from std::string pieces, never through iostreams: c10::str's
+// std::ostringstream would be instantiated in this library, and a stream built here with one
+// libstdc++ and used with another (the host compiler's headers vs. the process's runtime) crashed
+// while formatting an integer (seen on the Hopper image: GCC 13 headers, torch's runtime).
+inline void append(std::string& out, const char* piece) { out += piece; }
+inline void append(std::string& out, const std::string& piece) { out += piece; }
+inline void append(std::string& out, int64_t v) { out += std::to_string(v); }
+inline void append(std::string& out, int v) { out += std::to_string(v); }
+inline void append(std::string& out, double v) { out += std::to_string(v); }
+inline void append(std::string& out, const c10::Device& d) { out += d.str(); }
+inline void append(std::string& out, c10::ScalarType t) { out += c10::toString(t); }
+inline void append(std::string& out, at::IntArrayRef sizes) {
+  out += "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  out += "]";
+}
+
+template <class... Pieces>
+std::string cat(const Pieces&... pieces) {
+  std::string out;
+  (append(out, pieces), ...);
+  return out;
+}
+
+#define EPIFUSE_CHECK(cond, ...) TORCH_CHECK(cond, ::epifuse::cat(__VA_ARGS__))
+#define EPIFUSE_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, ::epifuse::cat(__VA_ARGS__))
+
 DType to_dtype(const at::Tensor& t, const char* op) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::kFloat32;
     case at::kHalf: return DType::kFloat16;
     case at::kBFloat16: return DType::kBFloat16;
     default:
-      TORCH_CHECK(false, "epifuse::", op, " not implemented for '", t.scalar_type(),
+      EPIFUSE_CHECK(false, "epifuse::", op, " not implemented for '", t.scalar_type(),
                   "' (expected Float, Half or BFloat16)");
   }
   return DType::kFloat32;  // unreachable
 }
 
 void check_cuda(const at::Tensor& t, const char* op, const char* name, const at::Tensor& ref) {
-  TORCH_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
+  EPIFUSE_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
               t.device());
-  TORCH_CHECK(t.device() == ref.device(),
+  EPIFUSE_CHECK(t.device() == ref.device(),
               "Expected all tensors to be on the same device, but found at least two devices, ",
               ref.device(), " and ", t.device(), "! (epifuse::", op, ", argument ", name, ")");
 }
@@ -45,7 +73,7 @@ void check_cuda(const at::Tensor& t, const char* op, const char* name, const at:
 // Makes t's device current for the op. Checks first that t is a CUDA tensor: a guard built from
 // a CPU device is undefined behaviour in release builds of c10.
 c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
+  EPIFUSE_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
               t.device());
   return c10::cuda::CUDAGuard(t.device());
 }
@@ -54,19 +82,19 @@ c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* 
 at::Tensor column_vector(const at::Tensor& v, int64_t n, const char* op, const char* name,
                          const at::Tensor& ref) {
   check_cuda(v, op, name, ref);
-  TORCH_CHECK(v.scalar_type() == at::kFloat, "epifuse::", op, ": expected ", name,
+  EPIFUSE_CHECK(v.scalar_type() == at::kFloat, "epifuse::", op, ": expected ", name,
               " to be float32, got ", v.scalar_type());
-  TORCH_CHECK(v.dim() == 1 && v.size(0) == n, "epifuse::", op, ": expected ", name,
+  EPIFUSE_CHECK(v.dim() == 1 && v.size(0) == n, "epifuse::", op, ": expected ", name,
               " of shape [", n, "], got ", v.sizes());
   return v.contiguous();
 }
 
 MathMode math_mode(const std::string& precision, DType dtype, const char* op) {
-  TORCH_CHECK_VALUE(precision == "ieee" || precision == "tf32" || precision.empty(), "epifuse::", op,
+  EPIFUSE_CHECK_VALUE(precision == "ieee" || precision == "tf32" || precision.empty(), "epifuse::", op,
                     ": precision must be 'ieee', 'tf32' or '' (16-bit inputs), got '", precision,
                     "'");
   if (dtype != DType::kFloat32) return MathMode::kNative;
-  TORCH_CHECK_VALUE(!precision.empty(), "epifuse::", op,
+  EPIFUSE_CHECK_VALUE(!precision.empty(), "epifuse::", op,
                     ": float32 inputs need precision 'ieee' or 'tf32'");
   return precision == "tf32" ? MathMode::kTF32 : MathMode::kIEEE;
 }
@@ -84,16 +112,16 @@ struct PreparedGemm {
 
 PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const std::string& precision,
                           const char* op) {
-  TORCH_CHECK(x_in.dim() == 2, "epifuse::", op, ": expected x to be 2-D [M, K], got ",
+  EPIFUSE_CHECK(x_in.dim() == 2, "epifuse::", op, ": expected x to be 2-D [M, K], got ",
               x_in.dim(), "-D");
-  TORCH_CHECK(w_in.dim() == 2, "epifuse::", op, ": expected weight to be 2-D [N, K], got ",
+  EPIFUSE_CHECK(w_in.dim() == 2, "epifuse::", op, ": expected weight to be 2-D [N, K], got ",
               w_in.dim(), "-D");
   check_cuda(x_in, op, "x", x_in);
   check_cuda(w_in, op, "weight", x_in);
-  TORCH_CHECK(x_in.scalar_type() == w_in.scalar_type(),
+  EPIFUSE_CHECK(x_in.scalar_type() == w_in.scalar_type(),
               "mat1 and mat2 must have the same dtype, but got ", x_in.scalar_type(), " and ",
               w_in.scalar_type());
-  TORCH_CHECK(x_in.size(1) == w_in.size(1), "mat1 and mat2 shapes cannot be multiplied (",
+  EPIFUSE_CHECK(x_in.size(1) == w_in.size(1), "mat1 and mat2 shapes cannot be multiplied (",
               x_in.size(0), "x", x_in.size(1), " and ", w_in.size(1), "x", w_in.size(0), ")");
   const DType dtype = to_dtype(x_in, op);
   PreparedGemm g;
@@ -120,7 +148,7 @@ cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(
 // Compute capability of a device, queried once (the kernels dispatch on it).
 std::pair<int, int> compute_capability(int device) {
   static std::array<std::pair<int, int>, 128> cache{};  // benign race: writers agree
-  TORCH_CHECK(device >= 0 && device < int(cache.size()), "epifuse: unsupported device index ", device);
+  EPIFUSE_CHECK(device >= 0 && device < int(cache.size()), "epifuse: unsupported device index ", device);
   if (cache[device].first == 0) {
     int major = 0, minor = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
@@ -190,20 +218,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_colstats_cuda(const at::Tens
 FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
                          const at::Tensor& beta, const std::optional<at::Tensor>& pre_scale,
                          const std::optional<at::Tensor>& post_scale, double eps, const char* op) {
-  TORCH_CHECK(gamma.dim() == 1, "epifuse::", op, ": expected gamma to be 1-D, got ", gamma.sizes());
+  EPIFUSE_CHECK(gamma.dim() == 1, "epifuse::", op, ": expected gamma to be 1-D, got ", gamma.sizes());
   const int64_t N = gamma.size(0);
   const auto dtype = gamma.scalar_type();
   auto check_param = [&](const at::Tensor& t, const char* name, bool scale) {
     check_cuda(t, op, name, gamma);
-    TORCH_CHECK(t.scalar_type() == dtype, "epifuse::", op, ": expected ", name, " to have dtype ",
+    EPIFUSE_CHECK(t.scalar_type() == dtype, "epifuse::", op, ": expected ", name, " to have dtype ",
                 dtype, " like gamma, got ", t.scalar_type());
-    TORCH_CHECK(t.is_contiguous(), "epifuse::", op, ": expected ", name, " to be contiguous");
+    EPIFUSE_CHECK(t.is_contiguous(), "epifuse::", op, ": expected ", name, " to be contiguous");
     if (scale) {
-      TORCH_CHECK(t.numel() == 1 || (t.dim() == 1 && t.numel() == N), "epifuse::", op,
+      EPIFUSE_CHECK(t.numel() == 1 || (t.dim() == 1 && t.numel() == N), "epifuse::", op,
                   ": expected ", name, " to have 1 or ", N, " elements (one per column), got shape ",
                   t.sizes());
     } else {
-      TORCH_CHECK(t.dim() == 1 && t.numel() == N, "epifuse::", op, ": expected ", name,
+      EPIFUSE_CHECK(t.dim() == 1 && t.numel() == N, "epifuse::", op, ": expected ", name,
                   " of shape [", N, "], got ", t.sizes());
     }
   };
@@ -212,7 +240,7 @@ FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor
   if (bias) check_param(*bias, "bias", false);
   if (pre_scale) check_param(*pre_scale, "pre_scale", true);
   if (post_scale) check_param(*post_scale, "post_scale", true);
-  TORCH_CHECK_VALUE(eps >= 0, "epifuse::", op, ": eps must be non-negative, got ", eps);
+  EPIFUSE_CHECK_VALUE(eps >= 0, "epifuse::", op, ": eps must be non-negative, got ", eps);
 
   FoldProblem f;
   f.N = N;
@@ -230,9 +258,9 @@ FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor
 
 void check_running(const at::Tensor& t, const char* name, const at::Tensor& gamma, const char* op) {
   check_cuda(t, op, name, gamma);
-  TORCH_CHECK(t.scalar_type() == gamma.scalar_type(), "epifuse::", op, ": expected ", name,
+  EPIFUSE_CHECK(t.scalar_type() == gamma.scalar_type(), "epifuse::", op, ": expected ", name,
               " to have dtype ", gamma.scalar_type(), " like gamma, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous() && t.dim() == 1 && t.size(0) == gamma.size(0), "epifuse::", op,
+  EPIFUSE_CHECK(t.is_contiguous() && t.dim() == 1 && t.size(0) == gamma.size(0), "epifuse::", op,
               ": expected ", name, " to be a contiguous [", gamma.size(0), "] tensor, got ",
               t.sizes());
 }
@@ -255,11 +283,11 @@ std::tuple<at::Tensor, at::Tensor> bn_fold_train_cuda(
   const char* op = "bn_fold_train";
   const auto guard = guard_for(gamma, op, "gamma");
   FoldProblem f = prepare_fold(bias, gamma, beta, pre_scale, post_scale, eps, op);
-  TORCH_CHECK_VALUE(count > 1, "Expected more than 1 value per channel when training, got ", count,
+  EPIFUSE_CHECK_VALUE(count > 1, "Expected more than 1 value per channel when training, got ", count,
                     " rows");
   for (const at::Tensor* s : {&colsum, &colsumsq}) {
     check_cuda(*s, op, "colsum/colsumsq", gamma);
-    TORCH_CHECK(s->scalar_type() == at::kDouble && s->is_contiguous() && s->dim() == 1 &&
+    EPIFUSE_CHECK(s->scalar_type() == at::kDouble && s->is_contiguous() && s->dim() == 1 &&
                     s->size(0) == f.N,
                 "epifuse::", op, ": expected colsum and colsumsq to be contiguous float64 [", f.N,
                 "] tensors, got ", s->scalar_type(), " ", s->sizes());
@@ -267,10 +295,10 @@ std::tuple<at::Tensor, at::Tensor> bn_fold_train_cuda(
   check_running(running_mean, "running_mean", gamma, op);
   check_running(running_var, "running_var", gamma, op);
   check_cuda(num_batches_tracked, op, "num_batches_tracked", gamma);
-  TORCH_CHECK(num_batches_tracked.scalar_type() == at::kLong && num_batches_tracked.numel() == 1,
+  EPIFUSE_CHECK(num_batches_tracked.scalar_type() == at::kLong && num_batches_tracked.numel() == 1,
               "epifuse::", op, ": expected num_batches_tracked to be a one-element int64 tensor");
   if (momentum) {
-    TORCH_CHECK_VALUE(*momentum >= 0 && *momentum <= 1, "epifuse::", op,
+    EPIFUSE_CHECK_VALUE(*momentum >= 0 && *momentum <= 1, "epifuse::", op,
                       ": momentum must be in [0, 1] or None, got ", *momentum);
   }
   auto outputs = fold_outputs(gamma, f);
@@ -303,14 +331,14 @@ struct AffinePair {
 
 AffinePair optional_affine(const at::Tensor& z, const std::optional<at::Tensor>& a,
                            const std::optional<at::Tensor>& c, const char* op) {
-  TORCH_CHECK(a.has_value() == c.has_value(), "epifuse::", op,
+  EPIFUSE_CHECK(a.has_value() == c.has_value(), "epifuse::", op,
               ": pass both a and c, or neither (plain softmax)");
   if (!a) return {};
   return {column_vector(*a, z.size(1), op, "a", z), column_vector(*c, z.size(1), op, "c", z)};
 }
 
 void check_matrix(const at::Tensor& z, const char* op) {
-  TORCH_CHECK(z.dim() == 2, "epifuse::", op, ": expected a 2-D tensor, got ", z.dim(), "-D");
+  EPIFUSE_CHECK(z.dim() == 2, "epifuse::", op, ": expected a 2-D tensor, got ", z.dim(), "-D");
   check_cuda(z, op, "z", z);
   to_dtype(z, op);
 }

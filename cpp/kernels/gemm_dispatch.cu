@@ -94,25 +94,6 @@ int current_device() {
 
 }  // namespace
 
-const char* gemm_plan_name(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
-  const bool affine = e == Epilogue::kAffine;
-  const bool sk = prefer_stream_k(p, e, sm_count(current_device()));
-  switch (choose_plan(p, e, nullptr, cc_major, cc_minor)) {
-    case Plan::kEmpty: return "empty";
-    case Plan::kFallback: return affine ? "simt_gemm+column_affine" : "simt_gemm+column_stats";
-    case Plan::kSm90Tf32:
-      return affine ? (sk ? "sm90_tf32_128x256x32_streamk_affine" : "sm90_tf32_128x256x32_affine")
-                    : (sk ? "sm90_tf32_256x64x32_streamk_colstats" : "sm90_tf32_256x64x32_colstats");
-    case Plan::kSm90Bf16:
-      return affine ? (sk ? "sm90_bf16_128x256x64_streamk_affine" : "sm90_bf16_128x256x64_affine")
-                    : (sk ? "sm90_bf16_256x64x64_streamk_colstats" : "sm90_bf16_256x64x64_colstats");
-    case Plan::kSm90Fp16:
-      return affine ? (sk ? "sm90_fp16_128x256x64_streamk_affine" : "sm90_fp16_128x256x64_affine")
-                    : (sk ? "sm90_fp16_256x64x64_streamk_colstats" : "sm90_fp16_256x64x64_colstats");
-  }
-  return "unknown";
-}
-
 size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
   const Plan plan = choose_plan(p, e, nullptr, cc_major, cc_minor);
   if (plan == Plan::kEmpty || plan == Plan::kFallback) return 0;

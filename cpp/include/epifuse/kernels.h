@@ -43,10 +43,6 @@ struct EpilogueOperands {
   double* colsumsq = nullptr; // kColumnStats: [N]
 };
 
-// Which kernel sequence a problem dispatches to, for diagnostics and tests ("sm90_tf32_128x256x32",
-// "simt_fallback", ...). The same problem always gets the same plan.
-const char* gemm_plan_name(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
-
 // Device workspace bytes the plan needs (0 when none). Allocate with any allocator, 16-byte aligned.
 size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
 

@@ -4,7 +4,7 @@
 Covers: ragged tiles (M, N not multiples of 128/256), stream-K (few tiles) and data-parallel
 (more tiles than SMs) sm90 GEMMs, the portable SIMT GEMM (fp32 'ieee' with TF32 allowed in
 cuBLAS; K not a multiple of 8 for 16-bit / of 4 for fp32; N unaligned; strided x), the cuBLAS
-IEEE path, empty problems, the fold for N = 1..4097, the row kernels from 1 column to the
+IEEE path, the sm80 mma.sync GEMMs (3xTF32 always; every mode with EPIFUSE_FORCE_SM80=1), empty problems, the fold for N = 1..4097, the row kernels from 1 column to the
 looped wide-row softmax (N = 8192, 40000), fp32 / bf16 / fp16, in-place ops on strided views.
 
 Each launch is followed by a synchronize (so the sanitizer attributes errors to the right op)
@@ -34,7 +34,7 @@ from epifuse.problems import gemm_bn_scale_softmax as p84
 from epifuse.problems import gemm_scale_bn as p39
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TOL = {"fp32": 1e-4, "tf32": 5e-3, "bf16": 3e-2, "fp16": 5e-3}
+TOL = {"fp32": 1e-4, "3xtf32": 1e-4, "tf32": 5e-3, "bf16": 3e-2, "fp16": 5e-3}
 
 # (M, N, K). Alignment for the TMA path: K, N multiples of 4 (fp32) / 8 (16-bit).
 GEMM_SHAPES = [
@@ -76,7 +76,9 @@ def sync_check(label: str, got: torch.Tensor, want: torch.Tensor, tol: float) ->
 
 
 def precisions(dtype_id: str):
-    return [("ieee", "fp32"), ("tf32", "tf32")] if dtype_id == "fp32" else [("", dtype_id)]
+    if dtype_id != "fp32":
+        return [("", dtype_id)]
+    return [("ieee", "fp32"), ("3xtf32", "3xtf32"), ("tf32", "tf32")]
 
 
 def gemm_ops(shapes) -> None:

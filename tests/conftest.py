@@ -18,7 +18,8 @@ except ModuleNotFoundError:
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line(
-        "markers", "hopper: needs an sm_90 GPU and the epifuse CUDA kernels (fused path)")
+        "markers", "hopper: needs a GPU the epifuse CUDA kernels were built for (fused path: sm_90a "
+        "kernels on Hopper, sm80 kernels elsewhere or with EPIFUSE_FORCE_SM80=1)")
 
 
 def _gpu_skip_reason() -> str | None:
@@ -31,12 +32,7 @@ def _hopper_skip_reason() -> str | None:
     reason = _gpu_skip_reason()
     if reason is not None:
         return reason
-    if not epifuse.ops.has_cuda_kernels():
-        return "epifuse library was built without CUDA kernels"
-    cap = torch.cuda.get_device_capability()
-    if cap != (9, 0):
-        return f"fused path needs Hopper sm_90, this GPU is sm_{cap[0]}{cap[1]}"
-    return None
+    return epifuse.ops.device_unsupported_reason(torch.cuda.current_device())
 
 
 def pytest_collection_modifyitems(config, items):

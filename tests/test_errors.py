@@ -252,7 +252,7 @@ def test_partly_moved_model(number):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("mode", ["train", "eval"])
-@pytest.mark.parametrize("kind", ["ieee", "tf32"])
+@pytest.mark.parametrize("kind", ["ieee", "3xtf32", "tf32"])
 @pytest.mark.parametrize("poison", POISONS)
 @pytest.mark.parametrize("number", NUMBERS)
 def test_nan_inf_propagate_cuda(number, poison, kind, mode):

@@ -15,16 +15,17 @@ import pytest
 import torch
 
 from epifuse import head
-from helpers import DTYPE_OF, ORACLE_TOL, PROBLEMS, float64_twin, init_args, make_pair, rel_err
+from helpers import (DTYPE_OF, ORACLE_TOL, PROBLEMS, float64_twin, init_args, make_pair,
+                     precision_of, rel_err)
 
 pytestmark = pytest.mark.hopper
 
 CUDA = torch.device("cuda")
-PRECISIONS = list(ORACLE_TOL)  # ieee, tf32, fp16, bf16
+PRECISIONS = list(ORACLE_TOL)  # ieee, 3xtf32, tf32, fp16, bf16
 
 
 def _pair(number, args, kind, seed=0):
-    ref, new = make_pair(number, args, seed=seed, precision="tf32" if kind == "tf32" else "ieee")
+    ref, new = make_pair(number, args, seed=seed, precision=precision_of(kind))
     dtype = DTYPE_OF[kind]
     return ref.to(CUDA, dtype), new.to(CUDA, dtype)
 

@@ -33,7 +33,7 @@ import torch
 
 from epifuse import head
 from helpers import (DTYPE_OF, ORACLE_TOL, PROBLEMS, float64_twin, init_args,
-                     long_tests_requested, randomize_, rel_err)
+                     long_tests_requested, precision_of, randomize_, rel_err)
 
 CUDA = torch.device("cuda")
 SHORT_CASES, LONG_CASES = 200, 2000
@@ -59,7 +59,7 @@ def _size(rng: random.Random, long: bool) -> int:
 def make_config(seed: int, long: bool = False) -> dict:
     """The whole case, drawn from its seed (pure Python: ids are stable across machines)."""
     rng = random.Random(seed)
-    kind = rng.choices(["ieee", "tf32", "bf16", "fp16"], weights=[3, 3, 3, 2])[0]
+    kind = rng.choices(["ieee", "3xtf32", "tf32", "bf16", "fp16"], weights=[3, 2, 3, 3, 2])[0]
     mode = rng.choices(["train", "eval"], weights=[3, 2])[0]
     m, n, k = _size(rng, long), _size(rng, long), _size(rng, long)
     if mode == "train" and m == 1:
@@ -68,7 +68,7 @@ def make_config(seed: int, long: bool = False) -> dict:
         m = max(m // 2, 2)
         k = max(k // 2, 1)
     offset = None
-    if kind == "ieee" and mode == "train" and rng.random() < 0.3:
+    if kind in ("ieee", "3xtf32") and mode == "train" and rng.random() < 0.3:
         offset = rng.choice(["x+100", "bias1e4"])
     return {
         "seed": seed, "problem": rng.choice([84, 39]), "kind": kind, "mode": mode,
@@ -113,7 +113,7 @@ def _build(cfg):
     torch.manual_seed(cfg["seed"])
     with torch.device(CUDA):  # initialized on the GPU: big Linear layers cost nothing
         ref = module.Model(*args)
-        new = module.ModelNew(*args, precision="tf32" if kind == "tf32" else "ieee")
+        new = module.ModelNew(*args, precision=precision_of(kind))
     randomize_(ref, seed=cfg["seed"])
     with torch.no_grad():
         if cfg["negative_scale"]:
@@ -211,7 +211,7 @@ def test_config_generator_covers_the_space():
     seen = {key: {str(c[key]) for c in cfgs} for key in
             ("problem", "kind", "mode", "scale", "momentum", "offset", "input")}
     assert seen["problem"] == {"84", "39"} and seen["mode"] == {"train", "eval"}
-    assert seen["kind"] == {"ieee", "tf32", "bf16", "fp16"}
+    assert seen["kind"] == {"ieee", "3xtf32", "tf32", "bf16", "fp16"}
     assert seen["scale"] == {"1", "N"} and "None" in seen["momentum"]
     assert {"x+100", "bias1e4"} <= seen["offset"]
     sizes = [c[d] for c in cfgs for d in ("M", "N", "K")]
@@ -219,7 +219,7 @@ def test_config_generator_covers_the_space():
     assert sum(s in PRIMES and s > 100 for s in sizes) >= 5
     assert sum(s <= 48 for s in sizes) > len(sizes) // 2  # mostly tiny: the short run is quick
     assert all(c["M"] >= 2 for c in cfgs if c["mode"] == "train")
-    assert all(c["offset"] is None or (c["kind"] == "ieee" and c["mode"] == "train")
+    assert all(c["offset"] is None or (c["kind"] in ("ieee", "3xtf32") and c["mode"] == "train")
                for c in cfgs)
     assert make_config(7) == make_config(7) and make_config(7) != make_config(8)
     long_cfgs = [make_config(LONG_SEED_BASE + i, long=True) for i in range(200)]

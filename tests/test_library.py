@@ -33,3 +33,26 @@ def test_every_op_is_registered(name):
     namespace, op = name.split("::")
     assert hasattr(getattr(torch.ops, namespace), op)
     assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
+
+
+def test_built_archs_are_compute_capabilities():
+    archs = ops.built_archs()
+    assert archs, "the library names no GPU architecture"
+    for arch in archs:
+        digits = arch[:-1] if arch.endswith("a") else arch
+        assert digits.isdigit() and int(digits) >= 80, arch
+
+
+def _runs_on(arch: str, major: int, minor: int) -> bool:
+    """The rule CUDA applies to SASS: 'XY' runs on X.Y and later minors of X; 'XYa' on X.Y only."""
+    specific = arch.endswith("a")
+    digits = arch[:-1] if specific else arch
+    a_major, a_minor = int(digits[:-1]), int(digits[-1])
+    return a_major == major and (a_minor == minor if specific else a_minor <= minor)
+
+
+@pytest.mark.parametrize("cc", [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)],
+                         ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
+def test_supports_device_follows_the_built_archs(cc):
+    expected = any(_runs_on(a, *cc) for a in ops.built_archs())
+    assert torch.ops.epifuse.supports_device(*cc) == expected

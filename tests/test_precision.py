@@ -17,7 +17,8 @@ def matmul_precision():
 
 
 @pytest.mark.parametrize("given,expected", [
-    ("ieee", "ieee"), ("highest", "ieee"), ("tf32", "tf32"), ("high", "tf32"), ("medium", "tf32"),
+    ("ieee", "ieee"), ("highest", "ieee"), ("3xtf32", "3xtf32"), ("tf32", "tf32"), ("high", "tf32"),
+    ("medium", "tf32"),
 ])
 def test_explicit_precision_for_float32(given, expected, matmul_precision):
     matmul_precision("high")  # an explicit choice ignores torch's setting...
@@ -35,7 +36,7 @@ def test_none_follows_torch(torch_setting, expected, matmul_precision):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("given", [None, "ieee", "tf32"])
+@pytest.mark.parametrize("given", [None, "ieee", "3xtf32", "tf32"])
 def test_16bit_inputs_have_no_precision(dtype, given):
     assert resolve_precision(given, dtype) == ""
 

@@ -4,14 +4,20 @@
 // running statistics as nn.BatchNorm1d does; eval mode reads the running statistics.
 // python/epifuse/fold.py is the reference for this math; tests hold this kernel to it.
 //
-// One block: the work is O(N) and the num_batches_tracked increment must follow every read of it.
+// One thread per column over as many blocks as the columns need (the fold is a few fp64 divisions
+// and a square root per column: latency-bound, so spread wide). One exception: momentum=None in
+// training reads num_batches_tracked in every thread to form the cumulative-average factor, and the
+// increment must follow every read, which only a block barrier can order: that case runs one block.
 // All arithmetic is fp64 (the sums are fp64, and E[z^2] - E[z]^2 must not lose the variance).
+#include <algorithm>
+
 #include "cuda_utils.cuh"
 
 namespace epifuse {
 namespace {
 
-constexpr int kFoldThreads = 1024;
+constexpr int kFoldThreads = 256;          // per block, one column per thread
+constexpr int kCumulativeThreads = 1024;   // the single block of momentum=None training
 
 __device__ __forceinline__ double load(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ double load(const __half* p, int64_t i) { return __half2float(p[i]); }
@@ -29,14 +35,15 @@ __device__ __forceinline__ double load_or(const void* p, int64_t numel, int64_t 
 }
 
 template <class P>
-__global__ void __launch_bounds__(kFoldThreads)
+__global__ void __launch_bounds__(kCumulativeThreads)
 bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* __restrict__ colsumsq,
                int64_t count, P* running_mean, P* running_var, int64_t* num_batches_tracked,
                double momentum, bool training) {
   // momentum None: cumulative average over the batches seen, counting this one.
   const double factor =
       (training && momentum < 0) ? 1.0 / double(*num_batches_tracked + 1) : momentum;
-  for (int64_t n = threadIdx.x; n < f.N; n += kFoldThreads) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < f.N; n += stride) {
     const double bias = load_or<P>(f.bias, f.N, n, 0.0);
     const double pre = load_or<P>(f.pre_scale, f.pre_scale_numel, n, 1.0);
     const double post = load_or<P>(f.post_scale, f.post_scale_numel, n, 1.0);
@@ -63,8 +70,10 @@ bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* _
     f.c[n] = float(post * (gamma * invstd * (pre * bias - mu) + beta));
   }
   if (training) {
-    __syncthreads();  // every thread has read num_batches_tracked
-    if (threadIdx.x == 0) *num_batches_tracked += 1;
+    // momentum=None: the launch is one block, and the barrier orders every read of the counter
+    // before the increment. Otherwise nothing reads it and block 0 increments it once.
+    if (momentum < 0) __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
   }
 }
 
@@ -74,7 +83,10 @@ void launch(const FoldProblem& f, const double* colsum, const double* colsumsq, 
   if (f.N == 0 && !training) return;
   dispatch_dtype(f.param_dtype, [&](auto tag) {
     using P = decltype(tag);
-    bn_fold_kernel<P><<<1, kFoldThreads, 0, stream>>>(
+    const bool cumulative = training && momentum < 0;
+    const int64_t blocks = cumulative ? 1 : std::max<int64_t>((f.N + kFoldThreads - 1) / kFoldThreads, 1);
+    const int threads = cumulative ? kCumulativeThreads : kFoldThreads;
+    bn_fold_kernel<P><<<unsigned(std::min<int64_t>(blocks, 65535)), threads, 0, stream>>>(
         f, colsum, colsumsq, count, static_cast<P*>(running_mean), static_cast<P*>(running_var),
         num_batches_tracked, momentum, training);
   });

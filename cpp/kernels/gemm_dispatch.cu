@@ -1,23 +1,43 @@
 // Chooses the kernel sequence for a GEMM + epilogue problem. The only place with shape heuristics.
 //
-//   Hopper (sm_90), TF32 or 16-bit math, TMA-compatible rows (16-byte aligned K, N and leading
-//   dimensions and base pointers):   one CUTLASS sm90 GEMM with the epilogue fused (epilogues.hpp).
-//   Anything else (IEEE fp32, ragged alignment, another GPU): the portable SIMT GEMM writing z,
-//   then the epilogue as a separate pass (column_stats.cu / column_affine.cu).
+//   Hopper (sm_90), TF32 or 16-bit math, 16-byte aligned rows (K, N, leading dimensions and base
+//   pointers):       one CUTLASS sm90 GEMM (TMA + wgmma) with the epilogue fused (epilogues.hpp);
+//                    stream-K when the output tiles cannot fill the SMs.
+//   sm_80 and later otherwise (A100, Ada, and Hopper for 3xTF32, which has no wgmma form, or when
+//   EPIFUSE_FORCE_SM80=1), same alignment: one CUTLASS 2.x GEMM (cp.async + mma.sync) with the
+//                    epilogue fused (sm80_epilogues.hpp); its stream-K schedule sizes itself.
+//   Anything else (IEEE fp32, ragged alignment): the portable SIMT GEMM writing z, then the
+//                    epilogue as a separate pass (column_stats.cu / column_affine.cu).
 #include <array>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "cuda_utils.cuh"
 #include "fallback.hpp"
+#include "sm80_gemm_configs.hpp"
+#if EPIFUSE_HAVE_SM90
 #include "sm90_gemm_configs.hpp"
+#endif
+
+#ifndef EPIFUSE_BUILT_ARCHS
+#error "EPIFUSE_BUILT_ARCHS must name the compiled architectures (CMakeLists.txt defines it)"
+#endif
 
 namespace epifuse {
 namespace {
 
-enum class Plan { kEmpty, kFallback, kSm90Tf32, kSm90Bf16, kSm90Fp16 };
+enum class Plan {
+  kEmpty, kFallback,
+  kSm90Tf32, kSm90Bf16, kSm90Fp16,
+  kSm80Tf32, kSm80Fast3xTf32, kSm80Bf16, kSm80Fp16,
+};
 
-bool tma_compatible(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops) {
+[[maybe_unused]] bool is_sm90_plan(Plan p) { return p == Plan::kSm90Tf32 || p == Plan::kSm90Bf16 || p == Plan::kSm90Fp16; }
+
+// What both tensor-core paths need: 16-byte aligned rows for TMA / cp.async, and int32 extents.
+bool vector_aligned(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops) {
   const int64_t align = p.dtype == DType::kFloat32 ? 4 : 8;  // elements per 16 bytes
   if (p.K % align || p.N % align || p.ldx % align || p.ldw % align || p.ldo % align) return false;
   if (!is_aligned16(p.x) || !is_aligned16(p.w) || !is_aligned16(p.out)) return false;
@@ -30,20 +50,32 @@ bool tma_compatible(const GemmProblem& p, Epilogue e, const EpilogueOperands* op
   return true;
 }
 
+// EPIFUSE_FORCE_SM80=1 runs the sm80 kernels on Hopper too (to test them there); read once.
+bool force_sm80() {
+  static const bool forced = [] {
+    const char* v = std::getenv("EPIFUSE_FORCE_SM80");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return forced;
+}
+
 Plan choose_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops, int cc_major,
                  int cc_minor) {
   if (p.M == 0 || p.N == 0) return Plan::kEmpty;
-  const bool hopper = cc_major == 9 && cc_minor == 0;
-  if (!hopper || p.K == 0 || !tma_compatible(p, e, ops)) return Plan::kFallback;
+  if (cc_major < 8 || p.K == 0 || p.math == MathMode::kIEEE || !vector_aligned(p, e, ops))
+    return Plan::kFallback;
+  const bool wgmma = EPIFUSE_HAVE_SM90 && cc_major == 9 && cc_minor == 0 && !force_sm80();
   switch (p.dtype) {
-    case DType::kFloat32: return p.math == MathMode::kTF32 ? Plan::kSm90Tf32 : Plan::kFallback;
-    case DType::kBFloat16: return Plan::kSm90Bf16;
-    case DType::kFloat16: return Plan::kSm90Fp16;
+    case DType::kFloat32:
+      if (p.math == MathMode::k3xTF32) return Plan::kSm80Fast3xTf32;
+      return wgmma ? Plan::kSm90Tf32 : Plan::kSm80Tf32;
+    case DType::kBFloat16: return wgmma ? Plan::kSm90Bf16 : Plan::kSm80Bf16;
+    case DType::kFloat16: return wgmma ? Plan::kSm90Fp16 : Plan::kSm80Fp16;
   }
   return Plan::kFallback;
 }
 
-int sm_count(int device) {
+[[maybe_unused]] int sm_count(int device) {
   static std::array<int, 128> cache{};  // benign race: every writer stores the same value
   if (device < 0 || device >= int(cache.size())) return 0;
   if (cache[device] == 0) {
@@ -54,6 +86,7 @@ int sm_count(int device) {
   return cache[device];
 }
 
+#if EPIFUSE_HAVE_SM90
 // Stream-K pays for its partial-tile fix-up only when data-parallel tiles cannot fill the GPU:
 // e.g. problem 84 at M <= 512 has at most 128 tiles of 128x256 for 132 SMs.
 bool prefer_stream_k(const GemmProblem& p, Epilogue e, int sms) {
@@ -63,7 +96,7 @@ bool prefer_stream_k(const GemmProblem& p, Epilogue e, int sms) {
   return tiles < sms;
 }
 
-// Calls fn(Config) with the tile configuration of a tensor-core plan.
+// Calls fn(Config) with the tile configuration of a Hopper plan.
 template <class Wide, class WideSK, class Tall, class TallSK, class Fn>
 void pick_config(Epilogue e, bool stream_k, Fn&& fn) {
   if (e == Epilogue::kAffine) {
@@ -82,28 +115,75 @@ void with_sm90_config(Plan plan, const GemmProblem& p, Epilogue e, int sms, Fn&&
     case Plan::kSm90Tf32: return pick_config<Tf32Wide, Tf32WideSK, Tf32Tall, Tf32TallSK>(e, sk, fn);
     case Plan::kSm90Bf16: return pick_config<Bf16Wide, Bf16WideSK, Bf16Tall, Bf16TallSK>(e, sk, fn);
     case Plan::kSm90Fp16: return pick_config<Fp16Wide, Fp16WideSK, Fp16Tall, Fp16TallSK>(e, sk, fn);
-    default: throw std::logic_error("epifuse: not a tensor-core plan");
+    default: throw std::logic_error("epifuse: not a Hopper plan");
+  }
+}
+#endif
+
+// Calls fn(Config) with the configuration of an sm80 plan.
+template <class Fn>
+void with_sm80_config(Plan plan, Fn&& fn) {
+  switch (plan) {
+    case Plan::kSm80Tf32: return fn(sm80::Tf32{});
+    case Plan::kSm80Fast3xTf32: return fn(sm80::Fast3xTf32{});
+    case Plan::kSm80Bf16: return fn(sm80::Bf16{});
+    case Plan::kSm80Fp16: return fn(sm80::Fp16{});
+    default: throw std::logic_error("epifuse: not an sm80 plan");
   }
 }
 
-int current_device() {
+[[maybe_unused]] int current_device() {
   int device = 0;
   cudaGetDevice(&device);
   return device;
 }
 
+// One entry of EPIFUSE_BUILT_ARCHS ("80", "86", "90a"): the last digit is the minor version.
+bool arch_runs_on(const std::string& arch, int cc_major, int cc_minor) {
+  const bool specific = !arch.empty() && arch.back() == 'a';  // sm_90a code runs on 9.0 only
+  const std::string digits = specific ? arch.substr(0, arch.size() - 1) : arch;
+  if (digits.size() < 2) return false;
+  const int major = std::atoi(digits.substr(0, digits.size() - 1).c_str());
+  const int minor = digits.back() - '0';
+  return major == cc_major && (specific ? minor == cc_minor : minor <= cc_minor);
+}
+
 }  // namespace
+
+const char* built_archs() { return EPIFUSE_BUILT_ARCHS; }
+
+bool supports_device(int cc_major, int cc_minor) {
+  const std::string archs = EPIFUSE_BUILT_ARCHS;
+  size_t start = 0;
+  while (start < archs.size()) {
+    size_t end = archs.find(',', start);
+    if (end == std::string::npos) end = archs.size();
+    if (arch_runs_on(archs.substr(start, end - start), cc_major, cc_minor)) return true;
+    start = end + 1;
+  }
+  return false;
+}
 
 size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
   const Plan plan = choose_plan(p, e, nullptr, cc_major, cc_minor);
   if (plan == Plan::kEmpty || plan == Plan::kFallback) return 0;
-  const int device = current_device();
-  const int sms = sm_count(device);
   size_t bytes = 0;
-  with_sm90_config(plan, p, e, sms, [&](auto cfg) {
+#if EPIFUSE_HAVE_SM90
+  if (is_sm90_plan(plan)) {
+    const int device = current_device();
+    const int sms = sm_count(device);
+    with_sm90_config(plan, p, e, sms, [&](auto cfg) {
+      using Config = decltype(cfg);
+      bytes = e == Epilogue::kAffine ? sm90::affine_workspace_bytes<Config>(p, device, sms)
+                                     : sm90::column_stats_workspace_bytes<Config>(p, device, sms);
+    });
+    return bytes;
+  }
+#endif
+  with_sm80_config(plan, [&](auto cfg) {
     using Config = decltype(cfg);
-    bytes = e == Epilogue::kAffine ? sm90::affine_workspace_bytes<Config>(p, device, sms)
-                                   : sm90::column_stats_workspace_bytes<Config>(p, device, sms);
+    bytes = e == Epilogue::kAffine ? sm80::affine_workspace_bytes<Config>(p)
+                                   : sm80::column_stats_workspace_bytes<Config>(p);
   });
   return bytes;
 }
@@ -138,13 +218,26 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
     epilogue_pass(p, e, ops, stream);
     return;
   }
-  const int sms = sm_count(device);
-  with_sm90_config(plan, p, e, sms, [&](auto cfg) {
+#if EPIFUSE_HAVE_SM90
+  if (is_sm90_plan(plan)) {
+    const int sms = sm_count(device);
+    with_sm90_config(plan, p, e, sms, [&](auto cfg) {
+      using Config = decltype(cfg);
+      if (e == Epilogue::kAffine) {
+        sm90::run_affine<Config>(p, ops, workspace, device, sms, stream);
+      } else {
+        sm90::run_column_stats<Config>(p, ops, workspace, device, sms, stream);
+      }
+    });
+    return;
+  }
+#endif
+  with_sm80_config(plan, [&](auto cfg) {
     using Config = decltype(cfg);
     if (e == Epilogue::kAffine) {
-      sm90::run_affine<Config>(p, ops, workspace, device, sms, stream);
+      sm80::run_affine<Config>(p, ops, workspace, stream);
     } else {
-      sm90::run_column_stats<Config>(p, ops, workspace, device, sms, stream);
+      sm80::run_column_stats<Config>(p, ops, workspace, stream);
     }
   });
 }

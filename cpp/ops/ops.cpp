@@ -70,11 +70,29 @@ void check_cuda(const at::Tensor& t, const char* op, const char* name, const at:
               ref.device(), " and ", t.device(), "! (epifuse::", op, ", argument ", name, ")");
 }
 
-// Makes t's device current for the op. Checks first that t is a CUDA tensor: a guard built from
-// a CPU device is undefined behaviour in release builds of c10.
+// Compute capability of a device, queried once (the kernels dispatch on it).
+std::pair<int, int> compute_capability(int device) {
+  static std::array<std::pair<int, int>, 128> cache{};  // benign race: writers agree
+  EPIFUSE_CHECK(device >= 0 && device < int(cache.size()), "epifuse: unsupported device index ", device);
+  if (cache[device].first == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    cache[device] = {major, minor};
+  }
+  return cache[device];
+}
+
+// Makes t's device current for the op. Checks first that t is a CUDA tensor (a guard built from
+// a CPU device is undefined behaviour in release builds of c10) and that this build has kernels
+// for its GPU (else every launch would fail with "no kernel image is available").
 c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* name) {
   EPIFUSE_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
               t.device());
+  const auto [major, minor] = compute_capability(t.get_device());
+  EPIFUSE_CHECK(supports_device(major, minor), "epifuse::", op, ": this library has no kernels for ",
+              t.device(), " (sm_", major, minor, "); it was built for ", built_archs(),
+              ". Rebuild with -DEPIFUSE_ARCHS=", major, minor, " (CMake) to add it.");
   return c10::cuda::CUDAGuard(t.device());
 }
 
@@ -90,13 +108,16 @@ at::Tensor column_vector(const at::Tensor& v, int64_t n, const char* op, const c
 }
 
 MathMode math_mode(const std::string& precision, DType dtype, const char* op) {
-  EPIFUSE_CHECK_VALUE(precision == "ieee" || precision == "tf32" || precision.empty(), "epifuse::", op,
-                    ": precision must be 'ieee', 'tf32' or '' (16-bit inputs), got '", precision,
-                    "'");
+  EPIFUSE_CHECK_VALUE(precision == "ieee" || precision == "3xtf32" || precision == "tf32" ||
+                          precision.empty(),
+                      "epifuse::", op,
+                      ": precision must be 'ieee', '3xtf32', 'tf32' or '' (16-bit inputs), got '",
+                      precision, "'");
   if (dtype != DType::kFloat32) return MathMode::kNative;
   EPIFUSE_CHECK_VALUE(!precision.empty(), "epifuse::", op,
-                    ": float32 inputs need precision 'ieee' or 'tf32'");
-  return precision == "tf32" ? MathMode::kTF32 : MathMode::kIEEE;
+                      ": float32 inputs need precision 'ieee', '3xtf32' or 'tf32'");
+  if (precision == "tf32") return MathMode::kTF32;
+  return precision == "3xtf32" ? MathMode::k3xTF32 : MathMode::kIEEE;
 }
 
 // Row-major with unit column stride: what the kernels take without a copy.
@@ -144,19 +165,6 @@ PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const 
 }
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
-// Compute capability of a device, queried once (the kernels dispatch on it).
-std::pair<int, int> compute_capability(int device) {
-  static std::array<std::pair<int, int>, 128> cache{};  // benign race: writers agree
-  EPIFUSE_CHECK(device >= 0 && device < int(cache.size()), "epifuse: unsupported device index ", device);
-  if (cache[device].first == 0) {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    cache[device] = {major, minor};
-  }
-  return cache[device];
-}
 
 // IEEE fp32 while PyTorch itself runs fp32 matmuls in IEEE ('highest'): cuBLAS's FFMA SGEMM is
 // what the reference model runs and the fastest exact-fp32 GEMM available, so take it and apply the
@@ -414,6 +422,11 @@ TORCH_LIBRARY(epifuse, m) {
   m.def("affine_softmax(Tensor z, Tensor? a, Tensor? c) -> Tensor");
   m.def("affine_softmax_(Tensor(a!) z, Tensor? a, Tensor? c) -> ()");
   m.def("affine_(Tensor(a!) z, Tensor a, Tensor c) -> ()");
+  // Build information (no tensors, so one kernel for every backend): the GPU architectures the
+  // kernels were compiled for, e.g. "80,90a", and whether they run on compute capability major.minor.
+  m.def("built_archs() -> str", []() { return std::string(epifuse::built_archs()); });
+  m.def("supports_device(int major, int minor) -> bool",
+        [](int64_t major, int64_t minor) { return epifuse::supports_device(int(major), int(minor)); });
 }
 
 TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {

@@ -133,7 +133,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m epifuse", description=__doc__.split("\n\n")[0])
     p.add_argument("--problem", choices=("84", "39", "all"), default="all")
     p.add_argument("--dtype", nargs="+", choices=(*_DTYPES, "all"), default=["float32"])
-    p.add_argument("--precision", choices=("ieee", "tf32"), default=None,
+    p.add_argument("--precision", choices=("ieee", "3xtf32", "tf32"), default=None,
                    help="fp32 GEMM precision (default: follow torch.get_float32_matmul_precision())")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
     p.add_argument("--small", action="store_true",

@@ -28,7 +28,7 @@ OP_NAMES = (
     "epifuse::affine_",
 )
 
-_PRECISIONS = ("ieee", "tf32", "")
+_PRECISIONS = ("ieee", "3xtf32", "tf32", "")
 
 _ops = torch.ops.epifuse
 # OpOverloads bound once: calling .default skips the overload-packet lookup.
@@ -44,6 +44,23 @@ _affine_inplace = _ops.affine_.default
 def has_cuda_kernels() -> bool:
     """Whether the loaded library has a CUDA kernel for every op."""
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA") for name in OP_NAMES)
+
+
+def built_archs() -> list[str]:
+    """GPU architectures the kernels were compiled for (CMake's EPIFUSE_ARCHS), e.g. ['80', '90a']."""
+    return [a for a in _ops.built_archs().split(",") if a]
+
+
+def device_unsupported_reason(index: int) -> Optional[str]:
+    """Why CUDA device ``index`` cannot run the epifuse kernels (None: it can)."""
+    if not has_cuda_kernels():
+        return "epifuse library built without CUDA kernels"
+    major, minor = torch.cuda.get_device_capability(index)
+    if not _ops.supports_device(major, minor):
+        built = ", ".join(f"sm_{a}" for a in built_archs())
+        return (f"GPU is sm_{major}{minor}; this epifuse build has kernels for {built} only "
+                f"(rebuild with -DEPIFUSE_ARCHS={major}{minor})")
+    return None
 
 
 # --------------------------------------------------------------------------- wrappers

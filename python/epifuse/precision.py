@@ -1,8 +1,10 @@
 """fp32 GEMM precision policy: which tensor-core mode a float32 GEMM may use.
 
-The ops take a precision string: ``"ieee"`` (true fp32 math, 3xTF32 or SIMT
-in the kernels), ``"tf32"`` (one TF32 pass), or ``""`` for 16-bit inputs,
-where it has no meaning.
+The ops take a precision string: ``"ieee"`` (true fp32 math: cuBLAS SGEMM or
+a SIMT GEMM), ``"3xtf32"`` (fp32 inputs split into TF32 big + small parts and
+multiplied in three tensor-core passes: near-fp32 accuracy at tensor-core
+speed), ``"tf32"`` (one TF32 pass), or ``""`` for 16-bit inputs, where it has
+no meaning.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from typing import Optional
 import torch
 
 IEEE = "ieee"
+TF32X3 = "3xtf32"
 TF32 = "tf32"
 
 # Accepted spellings: ours, and torch.set_float32_matmul_precision's.
 _ALIASES = {
     "ieee": IEEE,
     "highest": IEEE,
+    "3xtf32": TF32X3,
     "tf32": TF32,
     "high": TF32,
     "medium": TF32,

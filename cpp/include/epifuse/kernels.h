@@ -18,8 +18,19 @@ namespace epifuse {
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 
 // How a GEMM multiplies. kIEEE: exact fp32 products (FFMA); kTF32: fp32 inputs on the tensor cores
-// with TF32 operands; kNative: 16-bit inputs on the tensor cores. Accumulation is fp32 always.
-enum class MathMode { kIEEE, kTF32, kNative };
+// with TF32 operands; k3xTF32: fp32 inputs split into TF32 big + small parts, three tensor-core
+// passes (big*big + big*small + small*big), near-fp32 accuracy; kNative: 16-bit inputs on the
+// tensor cores. Accumulation is fp32 always.
+enum class MathMode { kIEEE, kTF32, k3xTF32, kNative };
+
+// ---- what this build can run -------------------------------------------------------------------
+// Comma-separated GPU architectures the kernels were compiled for (CMake's EPIFUSE_ARCHS), e.g.
+// "80,90a".
+const char* built_archs();
+
+// Whether the kernels can run on a GPU of compute capability major.minor: an "XY" build runs on
+// X.Y and later minors of the same major (sm_80 code on sm_86 / sm_89); "XYa" only on X.Y.
+bool supports_device(int cc_major, int cc_minor);
 
 // What the GEMM epilogue does with the fp32 accumulator acc[m, n] = sum_k x[m, k] * w[n, k].
 enum class Epilogue {

@@ -2,7 +2,8 @@
 
 Runs problems 84 (gemm_bn_scale_softmax) and 39 (gemm_scale_bn) at their
 KernelBench sizes (and 84 at the original small size), train and eval, fp32
-with TF32 off ('fp32-ieee') and on ('fp32-tf32'), bf16 and fp16; our GEMM alone;
+with TF32 off ('fp32-ieee'), in 3xTF32 against PyTorch's IEEE fp32 ('fp32-3xtf32') and with
+TF32 on ('fp32-tf32'), bf16 and fp16; our GEMM alone;
 and our row softmax against torch.softmax and the copy bandwidth. Prints a
 table and writes JSON, Markdown and PNG charts to --out.
 

@@ -15,7 +15,7 @@ import torch
 class DTypeSpec:
     """One dtype column: the tensor dtype and the fp32 matmul policy on both sides.
 
-    ``precision`` is what ModelNew gets ("ieee" | "tf32" | None for 16-bit);
+    ``precision`` is what ModelNew gets ("ieee" | "3xtf32" | "tf32" | None for 16-bit);
     ``torch_precision`` is torch.set_float32_matmul_precision for the PyTorch
     baselines (eager and torch.compile), with allow_tf32 set to match.
     """
@@ -45,6 +45,8 @@ class DTypeSpec:
 
 DTYPES = {
     "fp32-ieee": DTypeSpec("fp32-ieee", torch.float32, "ieee", "highest"),
+    # fp32-class accuracy on the tensor cores, against PyTorch's fp32 ('highest') baselines.
+    "fp32-3xtf32": DTypeSpec("fp32-3xtf32", torch.float32, "3xtf32", "highest"),
     "fp32-tf32": DTypeSpec("fp32-tf32", torch.float32, "tf32", "high"),
     "bf16": DTypeSpec("bf16", torch.bfloat16, None, "highest"),
     "fp16": DTypeSpec("fp16", torch.float16, None, "highest"),

@@ -281,6 +281,7 @@ def markdown_report(env: dict, settings: dict, results, softmax, copy,
         f"CUDA-event timings after {settings.get('warmup')} warm-up calls, cycling several distinct "
         "inputs so that the activations do not stay in L2. fp32 rows: `fp32-ieee` = TF32 off "
         "(`torch.set_float32_matmul_precision('highest')`, `ModelNew(precision='ieee')`), "
+        "`fp32-3xtf32` = ours in 3xTF32 (`precision='3xtf32'`) against PyTorch in IEEE fp32, "
         "`fp32-tf32` = TF32 on for both (`'high'` / `precision='tf32'`). All implementations "
         "hold identical parameters; eval uses running statistics primed from one batch. "
         "In train mode every call updates the running statistics; the error check runs on fresh "

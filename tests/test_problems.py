@@ -53,8 +53,10 @@ def test_signature_matches_model(number):
     new = inspect.signature(module.ModelNew.__init__).parameters
     assert list(new)[:len(ref)] == list(ref)
     assert all(new[k].default == ref[k].default for k in ref)
-    assert list(new)[len(ref):] == ["precision"]
-    assert new["precision"].kind is inspect.Parameter.KEYWORD_ONLY and new["precision"].default is None
+    extra = {"precision": None, "sync_batchnorm": False, "process_group": None}
+    assert list(new)[len(ref):] == list(extra)
+    for name, default in extra.items():
+        assert new[name].kind is inspect.Parameter.KEYWORD_ONLY and new[name].default is default
 
 
 @pytest.mark.parametrize("number,scale", SCALE_CASES)

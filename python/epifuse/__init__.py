@@ -9,10 +9,11 @@ from ._library import load_library
 load_library()
 
 from . import fold, ops, precision  # noqa: E402  (ops need the library loaded)
-from . import head, problems  # noqa: E402
+from . import distributed, head, problems  # noqa: E402
+from .distributed import convert_sync_batchnorm  # noqa: E402
 from .functional import softmax  # noqa: E402
 from .head import fast_path_reason  # noqa: E402
 from .problems.gemm_bn_scale_softmax import ModelNew  # noqa: E402
 
-__all__ = ["ModelNew", "fast_path_reason", "fold", "head", "ops", "precision", "problems",
-           "softmax"]
+__all__ = ["ModelNew", "convert_sync_batchnorm", "distributed", "fast_path_reason", "fold",
+           "head", "ops", "precision", "problems", "softmax"]

@@ -13,7 +13,7 @@ against, and it is tested against ``nn.BatchNorm1d`` directly.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -66,20 +66,39 @@ def _affine(bias: Tensor, gamma: Tensor, beta: Tensor, pre: Tensor, post: Tensor
     return post * g * pre, post * (g * (pre * bias - mean) + beta)
 
 
+def input_moments(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
+                  pre_scale: Optional[Tensor], like: Tensor) -> tuple[Tensor, Tensor]:
+    """Batch mean and biased variance of BatchNorm's input ``u = pre * (z + bias)``.
+
+    From the column sums of z over ``count`` rows; float64 on ``like``'s device.
+    """
+    n = like.numel()
+    bias64, pre = _col(bias, n, like, 0.0), _col(pre_scale, n, like, 1.0)
+    mean_z, var_z = batch_moments(colsum, colsumsq, count)
+    return pre * (mean_z.to(like.device) + bias64), pre * pre * var_z.to(like.device)
+
+
+def fold_batch(mean: Tensor, var: Tensor, bias: Optional[Tensor], gamma: Tensor, beta: Tensor,
+               pre_scale: Optional[Tensor], post_scale: Optional[Tensor], eps: float) -> Fold:
+    """Training-mode fold from the batch mean and biased variance of u.
+
+    The moments may be this batch's (``fold_train``) or merged over the batches
+    of all data-parallel ranks (``distributed.py``).
+    """
+    n = gamma.numel()
+    ref = gamma
+    mean, var = mean.to(device=ref.device, dtype=_F64), var.to(device=ref.device, dtype=_F64)
+    a, c = _affine(_col(bias, n, ref, 0.0), _col(gamma, n, ref, 1.0), _col(beta, n, ref, 0.0),
+                   _col(pre_scale, n, ref, 1.0), _col(post_scale, n, ref, 1.0), mean, var, eps)
+    return Fold(a, c, mean, var)
+
+
 def fold_train(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
                gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
                post_scale: Optional[Tensor], eps: float) -> Fold:
     """Training-mode fold from the column sums of z over a batch of ``count`` rows."""
-    n = gamma.numel()
-    ref = gamma
-    bias64, pre = _col(bias, n, ref, 0.0), _col(pre_scale, n, ref, 1.0)
-    post = _col(post_scale, n, ref, 1.0)
-    gamma64, beta64 = _col(gamma, n, ref, 1.0), _col(beta, n, ref, 0.0)
-    mean_z, var_z = batch_moments(colsum, colsumsq, count)
-    mean = pre * (mean_z.to(ref.device) + bias64)
-    var = pre * pre * var_z.to(ref.device)
-    a, c = _affine(bias64, gamma64, beta64, pre, post, mean, var, eps)
-    return Fold(a, c, mean, var)
+    mean, var = input_moments(colsum, colsumsq, count, bias, pre_scale, like=gamma)
+    return fold_batch(mean, var, bias, gamma, beta, pre_scale, post_scale, eps)
 
 
 def fold_eval(bias: Optional[Tensor], gamma: Tensor, beta: Tensor,
@@ -94,26 +113,38 @@ def fold_eval(bias: Optional[Tensor], gamma: Tensor, beta: Tensor,
     return Fold(a, c, mean, var)
 
 
-def update_factor(momentum: Optional[float], num_batches_tracked: int) -> float:
-    """nn.BatchNorm's averaging factor; ``num_batches_tracked`` is the count *before* this batch."""
+def update_factor(momentum: Optional[float],
+                  num_batches_tracked: Union[int, Tensor]) -> Union[float, Tensor]:
+    """nn.BatchNorm's averaging factor; ``num_batches_tracked`` is the count *before* this batch.
+
+    Given the buffer itself (a tensor), the cumulative factor stays a float64
+    tensor on its device, so that reading the buffer costs no host sync.
+    """
     if momentum is None:  # cumulative moving average
+        if isinstance(num_batches_tracked, Tensor):
+            return 1.0 / (num_batches_tracked.to(_F64) + 1.0)
         return 1.0 / float(num_batches_tracked + 1)
     return float(momentum)
 
 
 @torch.no_grad()
 def update_running_stats(running_mean: Tensor, running_var: Tensor, num_batches_tracked: Tensor,
-                         batch_mean: Tensor, batch_var: Tensor, count: int,
+                         batch_mean: Tensor, batch_var: Tensor, count: Union[int, Tensor],
                          momentum: Optional[float]) -> None:
     """In-place running-statistics update of nn.BatchNorm in training mode.
 
     ``batch_var`` is the biased variance (as returned by ``fold_train``); the
     running variance tracks the unbiased one, as nn.BatchNorm does.
+    ``count`` may be a 0-d tensor (the global row count of a synchronized
+    batch, which lives on the device): it is then used as is, unchecked, as
+    nn.SyncBatchNorm does, rather than read back to the host.
     """
-    if count < 2:
+    if isinstance(count, Tensor):
+        count = count.to(device=running_var.device, dtype=_F64)
+    elif count < 2:
         # nn.BatchNorm refuses such a batch before touching its buffers.
         raise ValueError(f"running statistics need more than 1 value per channel, got {count}")
-    f = update_factor(momentum, int(num_batches_tracked.item()))
+    f = update_factor(momentum, num_batches_tracked)
     unbiased = batch_var.to(_F64) * (count / (count - 1))
     new_mean = (1.0 - f) * running_mean.to(_F64) + f * batch_mean.to(_F64)
     new_var = (1.0 - f) * running_var.to(_F64) + f * unbiased

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import ops
+from . import distributed, ops
 from .precision import resolve_precision
 
 # Read once: the NVTX ranges cost nothing unless asked for at import time.
@@ -111,6 +111,9 @@ def fast_path_reason(module: nn.Module, x: Tensor) -> Optional[str]:
 def run_head(module: nn.Module, x: Tensor, spec: HeadSpec,
              reference: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
     """Forward of a head module: fused on supported inputs, ``reference(module, x)`` otherwise."""
+    sync_group = distributed.sync_group(module)
+    if sync_group is not None:  # data-parallel training with synchronized batch statistics
+        return distributed.run_synced_head(module, x, spec, sync_group)
     if fast_path_reason(module, x) is not None:
         return reference(module, x)
     gemm, bn = module.gemm, module.bn
@@ -155,15 +158,21 @@ def _fused_forward(x, weight, bias, gamma, beta, scale, running_mean, running_va
 
 
 def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_var,
-                   spec: HeadSpec, training: bool, eps: float) -> Tensor:
+                   spec: HeadSpec, training: bool, eps: float,
+                   batch_norm: Optional[Callable[[Tensor, Optional[Tensor], Optional[Tensor]],
+                                                 Tensor]] = None) -> Tensor:
     """The head's math in plain PyTorch ops, without touching running statistics.
 
     Used to recompute the forward under autograd in the backward pass.
+    ``batch_norm(u, gamma, beta)``, if given, replaces the training-mode
+    BatchNorm (distributed.py passes the synchronized one).
     """
     y = F.linear(x, weight, bias)
     if spec.scale_before_bn:
         y = y * scale
-    if training:  # batch statistics; the forward already updated the running ones
+    if training and batch_norm is not None:
+        y = batch_norm(y, gamma, beta)
+    elif training:  # batch statistics; the forward already updated the running ones
         y = F.batch_norm(y, None, None, gamma, beta, True, 0.0, eps)
     else:
         y = F.batch_norm(y, running_mean, running_var, gamma, beta, False, 0.0, eps)

@@ -9,6 +9,7 @@ affine epilogue in eval.
 import torch
 import torch.nn as nn
 
+from epifuse.distributed import configure_sync_batchnorm
 from epifuse.head import HeadSpec, run_head
 from epifuse.precision import validate_precision
 
@@ -36,13 +37,17 @@ class ModelNew(Model):
     """Model with the fused epifuse forward; identical parameters and state_dict.
 
     ``precision`` ("ieee" | "tf32" | None) is the fp32 GEMM policy; None follows
-    torch.get_float32_matmul_precision() at call time.
+    torch.get_float32_matmul_precision() at call time. ``sync_batchnorm=True``
+    synchronizes the batch statistics over ``process_group`` (default: the
+    whole world) in data-parallel training, as nn.SyncBatchNorm does; see
+    epifuse.distributed.
     """
 
     def __init__(self, in_features, out_features, scale_shape, eps=1e-5, momentum=0.1,
-                 *, precision=None):
+                 *, precision=None, sync_batchnorm=False, process_group=None):
         super().__init__(in_features, out_features, scale_shape, eps, momentum)
         self.precision = validate_precision(precision)
+        configure_sync_batchnorm(self, sync_batchnorm, process_group)
 
     def forward(self, x):
         return run_head(self, x, _SPEC, Model.forward)

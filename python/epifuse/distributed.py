@@ -1,0 +1,346 @@
+"""Synchronized batch statistics for data-parallel training (torch.distributed).
+
+With ``sync_batchnorm=True`` (or after ``convert_sync_batchnorm``) a head in
+training mode normalizes with the statistics of the union of all ranks'
+batches, as ``nn.SyncBatchNorm`` does:
+
+  fused:     gemm_colstats -> local (count, mean, M2) of u -> all_gather -> merge
+             -> fold + running-stat update (float64 torch ops, global count on device)
+             -> affine[_softmax]_
+  reference: linear (-> scale) -> the same local moments -> all_gather -> merge
+             -> normalize (-> scale) (-> softmax), in plain PyTorch ops
+
+u is BatchNorm's input (``pre * (z + bias)``). Each rank sends one float64
+row ``[count, mean(N), M2(N)]``; the rows are merged with the parallel-variance
+formula (Chan et al.) in float64, so unequal and empty batches are weighted
+exactly and no ``E[u²] - E[u]²`` cancellation happens across ranks. Every
+rank merges the same gathered rows the same way, so all ranks end with
+identical running statistics.
+
+Backward (``_SyncedNormalize``) is nn.SyncBatchNorm's: the input gradient
+uses the sums of dy and dy·(u - mean) all-reduced over the ranks; the
+BatchNorm weight/bias gradients stay local (DDP averages them).
+
+Every rank issues the same collectives in the same order whichever path it
+takes (one all_gather in the forward, one all_reduce in the backward), so a
+rank whose batch is empty or of one row (reference path) can train beside
+ranks on the fused path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from . import fold, head, ops
+from .precision import resolve_precision
+
+_F64 = torch.float64
+
+
+class BatchMoments(NamedTuple):
+    """Moments of u over the rows of all ranks' batches, float64 on the device."""
+
+    count: Tensor  # 0-d: total number of rows
+    mean: Tensor  # [N]
+    var: Tensor  # [N], biased (what BatchNorm normalizes with)
+
+
+# --------------------------------------------------------------------------- when to sync
+
+def configure_sync_batchnorm(module: nn.Module, sync_batchnorm: bool,
+                             process_group: Optional["dist.ProcessGroup"]) -> None:
+    """Validate and store a head's synchronization settings (ModelNew's keywords)."""
+    if not isinstance(sync_batchnorm, bool):
+        raise TypeError(f"sync_batchnorm must be a bool, got {type(sync_batchnorm).__name__}")
+    if process_group is not None and not sync_batchnorm:
+        raise ValueError("process_group is only used with sync_batchnorm=True")
+    module.sync_batchnorm = sync_batchnorm
+    module.process_group = process_group
+
+
+def convert_sync_batchnorm(module: nn.Module,
+                           process_group: Optional["dist.ProcessGroup"] = None) -> nn.Module:
+    """Turn on synchronized batch statistics in every epifuse head of ``module``.
+
+    Like ``nn.SyncBatchNorm.convert_sync_batchnorm`` (same arguments; the
+    module is changed in place and returned). Other BatchNorm layers are left
+    alone: convert them with ``nn.SyncBatchNorm.convert_sync_batchnorm``,
+    which can also be applied to the whole model, epifuse heads included
+    (a head whose ``bn`` is an ``nn.SyncBatchNorm`` synchronizes over its
+    ``process_group``).
+    """
+    for m in module.modules():
+        if _is_head(m):
+            configure_sync_batchnorm(m, True, process_group)
+    return module
+
+
+def _is_head(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "sync_batchnorm", None), bool) and hasattr(module, "bn")
+
+
+_NOT_REQUESTED = object()
+
+
+def _requested_group(module: nn.Module):
+    """The group a head asks to synchronize over (None: WORLD), or _NOT_REQUESTED."""
+    if getattr(module, "sync_batchnorm", False):
+        return module.process_group
+    if isinstance(module.bn, nn.SyncBatchNorm):  # nn.SyncBatchNorm.convert_sync_batchnorm
+        return module.bn.process_group
+    return _NOT_REQUESTED
+
+
+def sync_group(module: nn.Module) -> Optional["dist.ProcessGroup"]:
+    """The process group to synchronize ``module``'s batch statistics over, or None.
+
+    nn.SyncBatchNorm's rule: only in training mode, with torch.distributed
+    available and initialized, and a group of more than one rank; otherwise
+    the head behaves exactly as without synchronization.
+    """
+    requested = _requested_group(module)
+    if requested is _NOT_REQUESTED or not module.bn.training:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = requested if requested is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+# --------------------------------------------------------------------------- the merge
+
+def local_moments(u: Tensor) -> Tensor:
+    """``[count, mean(N), M2(N)]`` of the rows of u [M, N], float64 (zeros when M == 0)."""
+    u64 = u.detach().to(_F64)
+    rows = u64.shape[0]
+    mean = u64.sum(0) / max(rows, 1)
+    m2 = ((u64 - mean) ** 2).sum(0)
+    return pack_moments(rows, mean, m2)
+
+
+def pack_moments(count: int, mean: Tensor, m2: Tensor) -> Tensor:
+    """One rank's row for the all_gather: ``[count, mean(N), M2(N)]`` in float64."""
+    mean = mean.to(_F64)
+    return torch.cat([mean.new_full((1,), float(count)), mean, m2.to(_F64)])
+
+
+def gather_moments(row: Tensor, group: "dist.ProcessGroup") -> Tensor:
+    """All ranks' rows, [world_size, 2N + 1], in rank order (on the current stream)."""
+    world = dist.get_world_size(group)
+    if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
+        rows = [torch.empty_like(row) for _ in range(world)]
+        dist.all_gather(rows, row, group=group)
+        return torch.stack(rows)
+    out = row.new_empty((world, row.numel()))
+    dist.all_gather_into_tensor(out, row, group=group)
+    return out
+
+
+def merge_moments(rows: Tensor) -> BatchMoments:
+    """Merge per-rank ``[count, mean, M2]`` rows (Chan et al.'s parallel variance, float64).
+
+    ``M2 = sum_r M2_r + sum_r n_r (mean_r - mean)²``: every term is
+    non-negative and taken about the global mean, so the result is as
+    accurate as the per-rank M2s. Empty ranks (n_r = 0) contribute nothing.
+    """
+    n_features = (rows.shape[1] - 1) // 2
+    counts = rows[:, :1]
+    means, m2s = rows[:, 1:1 + n_features], rows[:, 1 + n_features:]
+    count = counts.sum()
+    mean = (counts * means).sum(0) / count
+    m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0)
+    return BatchMoments(count, mean, m2 / count)
+
+
+def synced_moments(row: Tensor, group: "dist.ProcessGroup") -> BatchMoments:
+    """This rank's ``[count, mean, M2]`` row merged with every other rank's."""
+    return merge_moments(gather_moments(row, group))
+
+
+# --------------------------------------------------------------------------- normalization
+
+def _compute_dtype(u: Tensor) -> torch.dtype:
+    # 16-bit inputs are normalized in float32, as F.batch_norm does.
+    return torch.promote_types(u.dtype, torch.float32)
+
+
+class _SyncedNormalize(torch.autograd.Function):
+    """``(u - mean) * invstd * weight + bias`` with global statistics; SyncBatchNorm's backward.
+
+    The statistics are inputs rather than computed here, so the fused path's
+    backward can recompute the head with the forward's statistics and no
+    second all_gather. setup_context (not ctx in forward) lets torch.func.vjp
+    trace through it.
+    """
+
+    @staticmethod
+    def forward(u, weight, bias, mean, invstd, count, group):
+        cd = _compute_dtype(u)
+        v = (u.to(cd) - mean.to(cd)) * invstd.to(cd)
+        if weight is not None:
+            v = v * weight.to(cd)
+        if bias is not None:
+            v = v + bias.to(cd)
+        return v.to(u.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        u, weight, _, mean, invstd, count, group = inputs
+        ctx.save_for_backward(u, weight, mean, invstd, count)
+        ctx.group = group
+        ctx.bias_dtype = None if inputs[2] is None else inputs[2].dtype
+
+    @staticmethod
+    def backward(ctx, grad_v):
+        u, weight, mean, invstd, count = ctx.saved_tensors
+        cd = _compute_dtype(u)
+        dy = grad_v.to(cd)
+        xmu = u.to(cd) - mean.to(cd)
+        inv = invstd.to(cd)
+        local = torch.cat([dy.sum(0), (dy * xmu).sum(0)]).to(_F64)
+        n_features = mean.numel()
+        grad_u = grad_weight = grad_bias = None
+        need_u, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if need_weight and weight is not None:  # local; DDP averages it over the ranks
+            grad_weight = (local[n_features:].to(cd) * inv).to(weight.dtype)
+        if need_bias and ctx.bias_dtype is not None:
+            grad_bias = local[:n_features].to(ctx.bias_dtype)
+        if need_u:
+            # Every rank reaches this point together: same graph, same needs_input_grad.
+            total = local.clone()
+            dist.all_reduce(total, dist.ReduceOp.SUM, group=ctx.group)
+            cnt = count.to(cd)
+            mean_dy = total[:n_features].to(cd) / cnt
+            mean_dy_xmu = total[n_features:].to(cd) / cnt
+            g = inv if weight is None else inv * weight.to(cd)
+            grad_u = ((dy - mean_dy - xmu * (inv * inv * mean_dy_xmu)) * g).to(u.dtype)
+        return grad_u, grad_weight, grad_bias, None, None, None, None
+
+
+def synced_normalize(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                     moments: BatchMoments, eps: float,
+                     group: "dist.ProcessGroup") -> Tensor:
+    """Normalize u with global moments; differentiable like nn.SyncBatchNorm."""
+    invstd = torch.rsqrt(moments.var + eps)
+    return _SyncedNormalize.apply(u, weight, bias, moments.mean, invstd, moments.count, group)
+
+
+def synced_batch_norm(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                      running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                      num_batches_tracked: Optional[Tensor], momentum: Optional[float],
+                      eps: float, group: "dist.ProcessGroup") -> Tensor:
+    """Training-mode nn.SyncBatchNorm on a 2-D u, in plain PyTorch ops (any device and backend).
+
+    Updates the running statistics (when given) with the global moments.
+    """
+    if u.dim() != 2:
+        raise ValueError(f"expected 2D input (got {u.dim()}D input)")
+    moments = synced_moments(local_moments(u), group)
+    if running_mean is not None and running_var is not None and num_batches_tracked is not None:
+        fold.update_running_stats(running_mean, running_var, num_batches_tracked,
+                                  moments.mean, moments.var, moments.count, momentum)
+    return synced_normalize(u, weight, bias, moments, eps, group)
+
+
+# --------------------------------------------------------------------------- the head
+
+def run_synced_head(module: nn.Module, x: Tensor, spec: "head.HeadSpec",
+                    group: "dist.ProcessGroup") -> Tensor:
+    """Training forward of a head with batch statistics synchronized over ``group``."""
+    gemm, bn = module.gemm, module.bn
+    if head.fast_path_reason(module, x) is not None:
+        return _synced_reference(module, x, spec, group)
+    precision = resolve_precision(module.precision, x.dtype)
+    args = (x, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale,
+            bn.running_mean, bn.running_var, bn.num_batches_tracked,
+            spec, precision, bn.momentum, bn.eps, group)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:6]):
+        return _SyncedFusedHead.apply(*args)
+    return _synced_fused_forward(*args)[0]
+
+
+def _synced_reference(module: nn.Module, x: Tensor, spec: "head.HeadSpec",
+                      group: "dist.ProcessGroup") -> Tensor:
+    """The head in plain PyTorch ops with a synchronized BatchNorm (any device)."""
+    gemm, bn = module.gemm, module.bn
+    tracking = bn.track_running_stats
+
+    def batch_norm(u, gamma, beta):
+        return synced_batch_norm(u, gamma, beta, bn.running_mean if tracking else None,
+                                 bn.running_var if tracking else None,
+                                 bn.num_batches_tracked if tracking else None,
+                                 bn.momentum, bn.eps, group)
+
+    return head.reference_head(x, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale,
+                               None, None, spec, True, bn.eps, batch_norm=batch_norm)
+
+
+def _synced_fused_forward(x, weight, bias, gamma, beta, scale, running_mean, running_var,
+                          num_batches_tracked, spec, precision, momentum, eps, group):
+    """Fused training forward with global statistics; returns (y, global moments of u)."""
+    pre, post = (scale, None) if spec.scale_before_bn else (None, scale)
+    with head._range("epifuse.gemm"):
+        z, colsum, colsumsq = ops.gemm_colstats(x, weight, precision)
+    with head._range("epifuse.sync_stats"):
+        rows = x.shape[0]
+        mean, var = fold.input_moments(colsum, colsumsq, rows, bias, pre, like=gamma)
+        moments = synced_moments(pack_moments(rows, mean, var * rows), group)
+    with head._range("epifuse.fold"):
+        # fold.py in float64 torch ops rather than ops.bn_fold_train: the global
+        # count is a device tensor, and reading it back would stall the stream.
+        f = fold.fold_batch(moments.mean, moments.var, bias, gamma, beta, pre, post, eps)
+        fold.update_running_stats(running_mean, running_var, num_batches_tracked,
+                                  moments.mean, moments.var, moments.count, momentum)
+        a, c = f.a.float().contiguous(), f.c.float().contiguous()
+    if spec.softmax:
+        with head._range("epifuse.softmax"):
+            ops.affine_softmax_(z, a, c)
+    else:
+        with head._range("epifuse.affine"):
+            ops.affine_(z, a, c)
+    return z, moments
+
+
+class _SyncedFusedHead(torch.autograd.Function):
+    """Fused synced forward; backward recomputes the head with the forward's global moments.
+
+    Reusing the moments (instead of gathering them again) keeps the backward's
+    collectives to nn.SyncBatchNorm's single all_reduce, the same as a rank on
+    the reference path issues.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gamma, beta, scale, running_mean, running_var,
+                num_batches_tracked, spec, precision, momentum, eps, group):
+        y, moments = _synced_fused_forward(x, weight, bias, gamma, beta, scale, running_mean,
+                                           running_var, num_batches_tracked, spec, precision,
+                                           momentum, eps, group)
+        ctx.save_for_backward(x, weight, bias, gamma, beta, scale, *moments)
+        ctx.spec, ctx.eps, ctx.group = spec, eps, group
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        inputs, moments = saved[:6], BatchMoments(*saved[6:])
+        needs = ctx.needs_input_grad[:6]
+        diff = [i for i, need in enumerate(needs) if need]
+
+        def batch_norm(u, gamma, beta):
+            return synced_normalize(u, gamma, beta, moments, ctx.eps, ctx.group)
+
+        def head_of(*diff_inputs):
+            full = list(inputs)
+            for i, t in zip(diff, diff_inputs):
+                full[i] = t
+            return head.reference_head(*full, None, None, ctx.spec, True, ctx.eps,
+                                       batch_norm=batch_norm)
+
+        _, vjp = torch.func.vjp(head_of, *(inputs[i] for i in diff))
+        grads = iter(vjp(grad_out))
+        return (*(next(grads) if need else None for need in needs), *([None] * 8))

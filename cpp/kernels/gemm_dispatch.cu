@@ -16,6 +16,7 @@
 
 #include "cuda_utils.cuh"
 #include "fallback.hpp"
+#include "nonfinite_rows.hpp"
 #include "sm80_gemm_configs.hpp"
 #if EPIFUSE_HAVE_SM90
 #include "sm90_gemm_configs.hpp"
@@ -240,6 +241,11 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
       sm80::run_column_stats<Config>(p, ops, workspace, stream);
     }
   });
+  // 3xTF32 turns the +-Inf of a row of x into NaN (big/small split); IEEE math for those rows.
+  if (plan == Plan::kSm80Fast3xTf32) {
+    const bool affine = e == Epilogue::kAffine;
+    recompute_nonfinite_rows(p, affine ? ops.a : nullptr, affine ? ops.c : nullptr, stream);
+  }
 }
 
 }  // namespace epifuse

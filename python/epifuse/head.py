@@ -2,7 +2,9 @@
 
 A "head" module has the attributes of the reference models: ``gemm``
 (nn.Linear), ``bn`` (nn.BatchNorm1d), ``scale`` (nn.Parameter) and a
-``precision`` policy. On Hopper CUDA tensors the forward runs the epifuse ops:
+``precision`` policy. On CUDA tensors of a GPU the library was built for
+(sm_80 and later; Hopper gets the TMA/wgmma kernels) the forward runs the
+epifuse ops:
 
   train: gemm_colstats -> bn_fold_train (updates running stats) -> affine[_softmax]_
   eval:  bn_fold_eval -> gemm_affine (-> in-place softmax)
@@ -55,14 +57,7 @@ _DEVICE_REASONS: dict[int, Optional[str]] = {}
 @torch.compiler.assume_constant_result
 def _device_supported(index: int) -> Optional[str]:
     if index not in _DEVICE_REASONS:
-        reason = None
-        if not ops.has_cuda_kernels():
-            reason = "epifuse library built without CUDA kernels"
-        else:
-            cap = torch.cuda.get_device_capability(index)
-            if cap != (9, 0):
-                reason = f"GPU is sm_{cap[0]}{cap[1]}; the fused kernels need sm_90 (Hopper)"
-        _DEVICE_REASONS[index] = reason
+        _DEVICE_REASONS[index] = ops.device_unsupported_reason(index)
     return _DEVICE_REASONS[index]
 
 

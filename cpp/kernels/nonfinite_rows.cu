@@ -1,0 +1,51 @@
+// Exact IEEE results for the rows of x that hold a NaN or an Inf, after a 3xTF32 GEMM.
+//
+// 3xTF32 splits every fp32 operand into big + small TF32 parts (small = v - big) and sums three
+// products: for v = +-Inf the small part is Inf - Inf = NaN, and a cross term Inf * 0 (an operand
+// whose small part is exactly 0) is NaN too, so a row of x holding +-Inf comes out NaN where IEEE
+// math gives +-Inf. No choice of split avoids it inside the tensor cores; instead this pass finds
+// such rows and recomputes them with FFMA, then re-applies the affine epilogue. A finite batch costs
+// one read of x (a few percent of the 3xTF32 GEMM's time). The column statistics of a column that
+// meets such a row are not repaired: they are non-finite either way, and so is everything the fold
+// derives from them, as in PyTorch.
+#include <algorithm>
+
+#include "cuda_utils.cuh"
+#include "nonfinite_rows.hpp"
+
+namespace epifuse {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads)
+recompute_nonfinite_rows_kernel(GemmProblem p, const float* __restrict__ a,
+                                const float* __restrict__ c) {
+  const auto* x = static_cast<const float*>(p.x);
+  const auto* w = static_cast<const float*>(p.w);
+  auto* out = static_cast<float*>(p.out);
+  for (int64_t m = blockIdx.x; m < p.M; m += gridDim.x) {
+    const float* row = x + m * p.ldx;
+    bool nonfinite = false;
+    for (int64_t k = threadIdx.x; k < p.K; k += kThreads) nonfinite |= !isfinite(row[k]);
+    if (!__syncthreads_or(nonfinite)) continue;  // the common case: nothing to repair
+    for (int64_t n = threadIdx.x; n < p.N; n += kThreads) {
+      const float* wn = w + n * p.ldw;
+      float acc = 0.f;
+      for (int64_t k = 0; k < p.K; ++k) acc = fmaf(row[k], wn[k], acc);
+      out[m * p.ldo + n] = a != nullptr ? a[n] * acc + c[n] : acc;
+    }
+  }
+}
+
+}  // namespace
+
+void recompute_nonfinite_rows(const GemmProblem& p, const float* a, const float* c,
+                              cudaStream_t stream) {
+  if (p.M == 0 || p.N == 0 || p.K == 0 || p.dtype != DType::kFloat32) return;
+  const int64_t blocks = std::min<int64_t>(p.M, 65535);
+  recompute_nonfinite_rows_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(p, a, c);
+  check_launch("recompute_nonfinite_rows");
+}
+
+}  // namespace epifuse

@@ -1,0 +1,13 @@
+// The 3xTF32 GEMM's repair pass for rows of x that hold a NaN or an Inf; see nonfinite_rows.cu.
+#pragma once
+
+#include "epifuse/kernels.h"
+
+namespace epifuse {
+
+// For every row m of the fp32 problem p whose x[m, :] is not all finite, recomputes
+// p.out[m, :] = a[n] * (x[m, :] . w[n, :]) + c[n] with IEEE fp32 FMAs (a, c null: the plain product).
+void recompute_nonfinite_rows(const GemmProblem& p, const float* a, const float* c,
+                              cudaStream_t stream);
+
+}  // namespace epifuse

@@ -65,7 +65,7 @@ for tool in $TOOLS; do
   case "$tool" in
     memcheck) ;;
     racecheck) args+=(--racecheck-report hazard); driver_args+=(--quick) ;;  # slowest tool
-    initcheck) args+=(--track-unused-memory no) ;;
+    initcheck) ;;
     synccheck) ;;
     *) echo "[sanitize] unknown tool '$tool'" >&2; status=1; continue ;;
   esac

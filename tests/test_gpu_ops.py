@@ -60,6 +60,46 @@ def test_gemm_colstats(kind, shape):
     assert rel_err(colsumsq, (z64 ** 2).sum(0)) <= sum_tol
 
 
+# Ragged and aligned shapes over every GEMM path: SIMT (unaligned), cuBLAS + pass (ieee), sm90
+# stream-K and data-parallel, sm80 (3xtf32; every kind under EPIFUSE_FORCE_SM80=1).
+COVERAGE_SHAPES = [(5, 3, 7), (130, 264, 72), (257, 136, 64), (33, 100, 40), (1536, 1536, 64)]
+COVERAGE_CASES = [pytest.param(kind, simt, s, id=f"{kind}{'-simt' if simt else ''}-M{s[0]}-N{s[1]}-K{s[2]}")
+                  for kind in KINDS for simt in ((False, True) if kind == "ieee" else (False,))
+                  for s in COVERAGE_SHAPES]
+
+
+def _poison_cached_block(shape, dtype):
+    """Leave a NaN-filled block of the output's size in the caching allocator.
+
+    The op's output is then (almost surely) carved from it, so an element the kernels fail to write
+    reads NaN instead of whatever an earlier, correct result left there.
+    """
+    torch.full(shape, float("nan"), dtype=dtype, device=CUDA)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("kind,simt,shape", COVERAGE_CASES)
+def test_gemm_writes_every_output_element(kind, simt, shape):
+    dtype, precision, _ = KINDS[kind]
+    m, n, k = shape
+    x, w = _gemm_inputs(m, n, k, dtype)
+    a, c = torch.ones(n, device=CUDA), torch.zeros(n, device=CUDA)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = simt  # forced 'ieee' under TF32: the SIMT kernel
+    try:
+        _poison_cached_block((m, n), dtype)
+        y = ops.gemm_affine(x, w, a, c, precision)
+        _poison_cached_block((m, n), dtype)
+        z, colsum, colsumsq = ops.gemm_colstats(x, w, precision)
+        torch.cuda.synchronize()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    for name, t in (("gemm_affine", y), ("gemm_colstats z", z), ("colsum", colsum),
+                    ("colsumsq", colsumsq)):
+        holes = torch.isnan(t).nonzero()
+        assert holes.numel() == 0, f"{name}: {holes.shape[0]} unwritten elements, first {holes[:3].tolist()}"
+
+
 def _fold_inputs(n, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
 

@@ -1,7 +1,10 @@
 // z[m, n] = a[n] * z[m, n] + c[n] in place: the training-mode epilogue of a head without softmax,
 // applied once the batch statistics (and so a, c) are known. One read and one write per element,
 // 16-byte vectors when the rows allow it.
+#include <algorithm>
+
 #include "cuda_utils.cuh"
+#include "fallback.hpp"
 
 namespace epifuse {
 namespace {
@@ -47,7 +50,22 @@ void launch(int64_t M, int64_t N, T* z, int64_t ld, const float* a, const float*
   column_affine_kernel<T, kVec><<<dim3(unsigned(blocks)), kBlock, 0, stream>>>(M, N, z, ld, a, c);
 }
 
+__global__ void identity_affine_kernel(int64_t N, float* a, float* c) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N;
+       n += int64_t(gridDim.x) * blockDim.x) {
+    a[n] = 1.f;
+    c[n] = 0.f;
+  }
+}
+
 }  // namespace
+
+void fallback::identity_affine(int64_t N, float* a, float* c, cudaStream_t stream) {
+  if (N == 0) return;
+  const int64_t blocks = std::min<int64_t>((N + 255) / 256, 1024);
+  identity_affine_kernel<<<unsigned(blocks), 256, 0, stream>>>(N, a, c);
+  check_launch("identity_affine");
+}
 
 void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
                    const float* c, cudaStream_t stream) {

@@ -2,7 +2,9 @@
 //
 //   Hopper (sm_90), TF32 or 16-bit math, 16-byte aligned rows (K, N, leading dimensions and base
 //   pointers):       one CUTLASS sm90 GEMM (TMA + wgmma) with the epilogue fused (epilogues.hpp);
-//                    stream-K when the output tiles cannot fill the SMs.
+//                    stream-K when the output tiles cannot fill the SMs. Column statistics on a
+//                    grid that fills the GPU: the affine kernel stores z, an fp64 pass sums it
+//                    (see stats_as_separate_pass).
 //   sm_80 and later otherwise (A100, Ada, and Hopper for 3xTF32, which has no wgmma form, or when
 //   EPIFUSE_FORCE_SM80=1), same alignment: one CUTLASS 2.x GEMM (cp.async + mma.sync) with the
 //                    epilogue fused (sm80_epilogues.hpp); its stream-K schedule sizes itself.
@@ -119,6 +121,21 @@ void with_sm90_config(Plan plan, const GemmProblem& p, Epilogue e, int sms, Fn&&
     default: throw std::logic_error("epifuse: not a Hopper plan");
   }
 }
+
+// Column statistics on Hopper, measured on an H100 (problem 84, BENCHMARKS.md): the fused
+// statistics epilogue keeps fp64 sums in registers, which forces 256x64 tiles, and runs at 280
+// (TF32) / 577 (bf16) TFLOP/s where the affine kernel's 128x256 tiles reach 409 / 785, and at
+// M = 16384 at 137 / 228. Storing z with the affine kernel (a = 1, c = 0) and summing it in a
+// separate deterministic fp64 pass costs one more read of z (~15 us at 1024x8192 fp32) and wins
+// whenever the wide tiles fill the GPU; below that the stream-K fused kernel stays.
+bool stats_as_separate_pass(const GemmProblem& p, Epilogue e, int sms) {
+  return e == Epilogue::kColumnStats && !prefer_stream_k(p, Epilogue::kAffine, sms);
+}
+
+// The separate-pass plan's workspace: a and c (N floats each), then the GEMM's own.
+size_t identity_vectors_bytes(const GemmProblem& p) {
+  return (2 * sizeof(float) * size_t(p.N) + 255) / 256 * 256;
+}
 #endif
 
 // Calls fn(Config) with the configuration of an sm80 plan.
@@ -173,6 +190,8 @@ size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int cc_major, int 
   if (is_sm90_plan(plan)) {
     const int device = current_device();
     const int sms = sm_count(device);
+    if (stats_as_separate_pass(p, e, sms))
+      return identity_vectors_bytes(p) + gemm_workspace_bytes(p, Epilogue::kAffine, cc_major, cc_minor);
     with_sm90_config(plan, p, e, sms, [&](auto cfg) {
       using Config = decltype(cfg);
       bytes = e == Epilogue::kAffine ? sm90::affine_workspace_bytes<Config>(p, device, sms)
@@ -222,6 +241,19 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
 #if EPIFUSE_HAVE_SM90
   if (is_sm90_plan(plan)) {
     const int sms = sm_count(device);
+    if (stats_as_separate_pass(p, e, sms)) {
+      float* ones = static_cast<float*>(workspace);
+      float* zeros = ones + p.N;
+      fallback::identity_affine(p.N, ones, zeros, stream);
+      EpilogueOperands identity;
+      identity.a = ones;
+      identity.c = zeros;
+      gemm_run(p, Epilogue::kAffine, identity,
+               static_cast<char*>(workspace) + identity_vectors_bytes(p), device, cc_major,
+               cc_minor, stream);
+      epilogue_pass(p, e, ops, stream);
+      return;
+    }
     with_sm90_config(plan, p, e, sms, [&](auto cfg) {
       using Config = decltype(cfg);
       if (e == Epilogue::kAffine) {

@@ -5,7 +5,9 @@
 //  - Affine epilogue (eval): 128x256 tiles, the widest that two consumer warpgroups hold in
 //    registers (128 fp32 accumulators per thread); measured 0.33 ms (414 TFLOP/s) for TF32 on
 //    problem 84's 1024x8192x8192 on an H200.
-//  - Column-statistics epilogue (training): 256x64 tiles. Each thread keeps an fp64 running sum
+//  - Column-statistics epilogue (training): 256x64 tiles. Only grids that do not fill the GPU run
+//    it (stream-K); larger ones store z with the affine kernel and sum it in a separate pass,
+//    which measured faster (gemm_dispatch.cu, stats_as_separate_pass). Each thread keeps an fp64 running sum
 //    and sum of squares for every column it touches (tileN/4 of them, 4 registers each) next to
 //    its accumulators; 128x128 tiles would need 64 + 128 registers and spill them to local memory
 //    (measured: the GEMM ran at half speed), 256x64 needs 64 + 64.

@@ -328,19 +328,13 @@ class _SyncedFusedHead(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         inputs, moments = saved[:6], BatchMoments(*saved[6:])
-        needs = ctx.needs_input_grad[:6]
-        diff = [i for i, need in enumerate(needs) if need]
 
         def batch_norm(u, gamma, beta):
             return synced_normalize(u, gamma, beta, moments, ctx.eps, ctx.group)
 
-        def head_of(*diff_inputs):
-            full = list(inputs)
-            for i, t in zip(diff, diff_inputs):
-                full[i] = t
+        def head_of(*full):
             return head.reference_head(*full, None, None, ctx.spec, True, ctx.eps,
                                        batch_norm=batch_norm)
 
-        _, vjp = torch.func.vjp(head_of, *(inputs[i] for i in diff))
-        grads = iter(vjp(grad_out))
-        return (*(next(grads) if need else None for need in needs), *([None] * 8))
+        grads = head.recompute_grads(head_of, inputs, ctx.needs_input_grad[:6], grad_out)
+        return (*grads, *([None] * 8))

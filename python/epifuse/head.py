@@ -201,18 +201,30 @@ class _FusedHead(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = ctx.saved_tensors
         inputs, (running_mean, running_var) = saved[:6], saved[6:]
-        needs = ctx.needs_input_grad[:6]
-        diff = [i for i, need in enumerate(needs) if need]
 
-        def head_of(*diff_inputs):
-            full = list(inputs)
-            for i, t in zip(diff, diff_inputs):
-                full[i] = t
+        def head_of(*full):
             return reference_head(*full, running_mean, running_var, ctx.spec, ctx.training,
                                   ctx.eps)
 
-        # torch.func.vjp rather than torch.autograd.grad: Dynamo can trace it, so
-        # this backward compiles along with the forward under torch.compile.
-        _, vjp = torch.func.vjp(head_of, *(inputs[i] for i in diff))
-        grads = iter(vjp(grad_out))
-        return (*(next(grads) if need else None for need in needs), *([None] * 8))
+        grads = recompute_grads(head_of, inputs, ctx.needs_input_grad[:6], grad_out)
+        return (*grads, *([None] * 8))
+
+
+def recompute_grads(head_of: Callable[..., Tensor], inputs, needs, grad_out: Tensor):
+    """Gradients of ``head_of(*inputs)`` w.r.t. the inputs marked in ``needs`` (None elsewhere),
+    by recomputing the forward.
+
+    torch.func.vjp rather than torch.autograd.grad: Dynamo can trace it, so a
+    backward built on this compiles along with the forward under torch.compile.
+    """
+    diff = [i for i, need in enumerate(needs) if need]
+
+    def of_differentiable(*diff_inputs):
+        full = list(inputs)
+        for i, t in zip(diff, diff_inputs):
+            full[i] = t
+        return head_of(*full)
+
+    _, vjp = torch.func.vjp(of_differentiable, *(inputs[i] for i in diff))
+    grads = iter(vjp(grad_out))
+    return tuple(next(grads) if need else None for need in needs)

@@ -38,7 +38,7 @@ _SPEC = HeadSpec(scale_before_bn=False, softmax=True)
 class ModelNew(Model):
     """Model with the fused epifuse forward; identical parameters and state_dict.
 
-    ``precision`` ("ieee" | "tf32" | None) is the fp32 GEMM policy; None follows
+    ``precision`` ("ieee" | "3xtf32" | "tf32" | None) is the fp32 GEMM policy; None follows
     torch.get_float32_matmul_precision() at call time. ``sync_batchnorm=True``
     synchronizes the batch statistics over ``process_group`` (default: the
     whole world) in data-parallel training, as nn.SyncBatchNorm does; see

@@ -56,3 +56,21 @@ def _runs_on(arch: str, major: int, minor: int) -> bool:
 def test_supports_device_follows_the_built_archs(cc):
     expected = any(_runs_on(a, *cc) for a in ops.built_archs())
     assert torch.ops.epifuse.supports_device(*cc) == expected
+
+
+def test_unsupported_gpu_is_reported_with_the_rebuild_flag(monkeypatch):
+    """A GPU the build has no kernels for: the reason names it, the build, and the CMake flag."""
+    monkeypatch.setattr(ops, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 5))
+    reason = ops.device_unsupported_reason(0)
+    assert reason is not None and "sm_75" in reason and "-DEPIFUSE_ARCHS=75" in reason
+    assert all(f"sm_{a}" in reason for a in ops.built_archs())
+
+
+def test_supported_gpu_has_no_reason(monkeypatch):
+    arch = ops.built_archs()[0]
+    digits = arch[:-1] if arch.endswith("a") else arch
+    monkeypatch.setattr(ops, "has_cuda_kernels", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda index=None: (int(digits[:-1]), int(digits[-1])))
+    assert ops.device_unsupported_reason(0) is None

@@ -180,6 +180,36 @@ def test_affine_softmax(dtype_id, n, affine):
     assert rel_err(inplace, expected) <= SOFTMAX_TOL[dtype]
 
 
+# Many rows: the wide-row kernels run on a persistent grid and stage the next row while reducing the
+# current one, so each block must go round its loop several times (more rows than resident blocks).
+# Widths cover each kernel of affine_softmax.cu for fp32 and 16-bit rows, ragged last chunks included.
+MANY_ROW_WIDTHS = [(3000, 1200), (8196, 1200), (12288, 700), (20000, 400), (40000, 300), (60000, 300)]
+
+
+@pytest.mark.parametrize("dtype_id,n,m", [pytest.param(d, n, m, id=f"{d}-N{n}-M{m}")
+                                          for d in DTYPES for n, m in MANY_ROW_WIDTHS])
+def test_affine_softmax_many_rows(dtype_id, n, m):
+    dtype = DTYPES[dtype_id]
+    g = torch.Generator(device=CUDA).manual_seed(n + m)
+    z = (torch.randn(m, n, device=CUDA, generator=g) * 3).to(dtype)
+    a = torch.rand(n, device=CUDA, generator=g) + 0.5
+    c = torch.randn(n, device=CUDA, generator=g)
+    for aa, cc in ((a, c), (None, None)):
+        expected = torch.softmax(ops._affine64(z, aa, cc), dim=1)
+        y = ops.affine_softmax(z, aa, cc)
+        assert rel_err(y, expected) <= SOFTMAX_TOL[dtype]
+        # every row, not just the norm: a row skipped or staged from the wrong place stands out
+        row_err = ((y.double() - expected).norm(dim=1) / expected.norm(dim=1)).max().item()
+        assert row_err <= 4 * SOFTMAX_TOL[dtype]
+        inplace = z.clone()
+        ops.affine_softmax_(inplace, aa, cc)
+        assert torch.equal(inplace, y)
+    # the affine pass alone (column_affine.cu) streams bands of rows per thread: same coverage
+    shifted = z.clone()
+    ops.affine_(shifted, a, c)
+    assert rel_err(shifted, ops._affine64(z, a, c)) <= SOFTMAX_TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype_id,n", [pytest.param(d, n, id=f"{d}-N{n}")
                                         for d in DTYPES for n in WIDTHS])
 def test_affine_inplace(dtype_id, n):

@@ -1,12 +1,19 @@
 // out = softmax(a[n] * in + c[n]) along each row of an [M, N] matrix (a, c optional).
 //
-// Bandwidth-bound: the row is read once into registers and written once.
-//  - Narrow rows (N <= 1024 fp32): 4..32 lanes of a warp per row, several rows per 256-thread block.
-//  - Wide rows: 64..1024 threads per row (2..32 warps), each thread holding up to 32 elements;
-//    the row max and sum cross warps through shared memory. Covers N <= 32768.
-//  - Wider rows: a looped block-per-row kernel (online max/sum, then a second read to write).
-// Accesses are 16-byte vectors when the rows are 16-byte aligned; otherwise element-wise.
+// Bandwidth-bound: every element is read once and written once, and a row's max and sum must be
+// known before its first output, so what limits the pass is how many rows each SM has in flight.
+// Three kernels, picked by row width (launch() below; kVec = elements per 16 bytes):
+//  - rows_in_registers, N <= 512 kVec (2048 fp32): 4..256 threads per row, one or two 16-byte
+//    vectors per thread, several rows per 256-thread block: many small independent rows per SM.
+//  - rows_staged, N <= 8192 kVec: one row per block (256..1024 threads), persistent over rows; the
+//    next row is copied into shared memory with cp.async while the current one is reduced, so the
+//    loads of one row overlap the reductions and stores of the previous one. Rows up to 4096 kVec
+//    also keep their values in registers; wider ones are re-read from shared memory in each pass.
+//  - rows_looped, wider rows: online max/sum over the row, then a second read to write.
+// Accesses are 16-byte vectors when the rows are 16-byte aligned; otherwise element-wise (register
+// kernel up to 32 elements per thread, then the looped kernel).
 // All arithmetic is fp32; the output is in the input dtype. Works in place (in == out).
+#include <algorithm>
 #include <cfloat>
 
 #include "cuda_utils.cuh"
@@ -14,7 +21,7 @@
 namespace epifuse {
 namespace {
 
-constexpr int kMaxElemsPerThread = 32;
+constexpr int kMaxElemsPerThread = 32;  // element-wise path: values one thread keeps in registers
 constexpr int kNarrowBlock = 256;
 
 // Reductions across the kWidth lanes (a power of two <= 32) that share a row.
@@ -44,13 +51,13 @@ __device__ __forceinline__ float softmax_exp(float x) {
 }
 
 // Combines one value per warp across the kWarpsPerRow warps of a row (no-op for one warp).
-// `scratch` holds kWarpsPerRow floats per row of the block.
+// `slots` holds kWarpsPerRow floats for this row; the caller alternates between two sets of slots
+// on consecutive uses, so a fast warp's next write cannot overtake a slow warp's read.
 template <int kWarpsPerRow, bool kIsMax>
-__device__ __forceinline__ float row_combine(float v, float* scratch, int row_in_block, int warp_in_row) {
+__device__ __forceinline__ float row_combine(float v, float* slots, int warp_in_row) {
   if constexpr (kWarpsPerRow == 1) {
     return v;
   } else {
-    float* slots = scratch + row_in_block * kWarpsPerRow;
     if ((threadIdx.x & 31) == 0) slots[warp_in_row] = v;
     __syncthreads();
     float r = slots[0];
@@ -60,57 +67,84 @@ __device__ __forceinline__ float row_combine(float v, float* scratch, int row_in
   }
 }
 
+// kVec consecutive elements starting at column col0, converted to fp32, with the affine applied.
+// Vectorized rows have 16-byte aligned a and c (launch() checks), read as float4.
+template <class T, int kVec>
+__device__ __forceinline__ void load_affine(const T* src, int64_t col0, const float* __restrict__ a,
+                                            const float* __restrict__ c, float* v) {
+  if constexpr (kVec > 1) {
+    const Vec16<T> raw = *reinterpret_cast<const Vec16<T>*>(src);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = to_float(raw.v[j]);
+    if (a != nullptr) {
+#pragma unroll
+      for (int j = 0; j < kVec; j += 4) {
+        const float4 av = __ldg(reinterpret_cast<const float4*>(a + col0 + j));
+        const float4 cv = __ldg(reinterpret_cast<const float4*>(c + col0 + j));
+        v[j] = av.x * v[j] + cv.x;
+        v[j + 1] = av.y * v[j + 1] + cv.y;
+        v[j + 2] = av.z * v[j + 2] + cv.z;
+        v[j + 3] = av.w * v[j + 3] + cv.w;
+      }
+    }
+  } else {
+    v[0] = to_float(*src);
+    if (a != nullptr) v[0] = __ldg(a + col0) * v[0] + __ldg(c + col0);
+  }
+}
+
+template <class T, int kVec>
+__device__ __forceinline__ void store_scaled(T* dst, const float* e, float inv_sum) {
+  if constexpr (kVec > 1) {
+    Vec16<T> res;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) res.v[j] = from_float<T>(e[j] * inv_sum);
+    *reinterpret_cast<Vec16<T>*>(dst) = res;
+  } else {
+    *dst = from_float<T>(e[0] * inv_sum);
+  }
+}
+
 // kThreadsPerRow threads own one row (4..32 lanes of a warp, or 2..32 whole warps); each thread
 // holds kElems elements in kElems / kVec vectors,
 // vector i of thread t covering columns (i * kThreadsPerRow + t) * kVec + [0, kVec).
 template <class T, int kVec, int kElems, int kThreadsPerRow>
 __global__ void __launch_bounds__(kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock)
-affine_softmax_rows(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
-                    const float* __restrict__ a, const float* __restrict__ c) {
+rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+                  const float* __restrict__ a, const float* __restrict__ c) {
   constexpr int kBlock = kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock;
   constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
   constexpr int kWarpsPerRow = kThreadsPerRow >= 32 ? kThreadsPerRow / 32 : 1;
   constexpr int kLanes = kThreadsPerRow >= 32 ? 32 : kThreadsPerRow;  // shuffle width
   constexpr int kVecsPerThread = kElems / kVec;
-  using V = Vec16<T>;
-  static_assert(kVec == 1 || kVec == V::kSize, "vector width is 1 or 16 bytes");
 
-  __shared__ float scratch_max[kRowsPerBlock * kWarpsPerRow];
-  __shared__ float scratch_sum[kRowsPerBlock * kWarpsPerRow];
+  __shared__ float slots[2][kRowsPerBlock * kWarpsPerRow];
 
   const int row_in_block = threadIdx.x / kThreadsPerRow;
   const int t = threadIdx.x % kThreadsPerRow;
   const int warp_in_row = t / 32;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + row_in_block;
   const bool row_valid = row < M;  // invalid rows still take part in __syncthreads
+  const T* src = in + (row_valid ? row : 0) * ld_in;
 
   float vals[kElems];
   float thread_max = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int64_t col0 = (int64_t(i) * kThreadsPerRow + t) * kVec;
-    T raw[kVec];
-    const bool valid = row_valid && col0 < N;  // kVec > 1 implies N % kVec == 0
-    if (valid) {
-      if constexpr (kVec > 1) {
-        *reinterpret_cast<V*>(raw) = *reinterpret_cast<const V*>(in + row * ld_in + col0);
-      } else {
-        raw[0] = in[row * ld_in + col0];
-      }
-    }
+    float* v = vals + i * kVec;
+    if (row_valid && col0 < N) {  // kVec > 1 implies N % kVec == 0
+      load_affine<T, kVec>(src + col0, col0, a, c, v);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      float v = -INFINITY;
-      if (valid) {
-        v = to_float(raw[j]);
-        if (a != nullptr) v = __ldg(a + col0 + j) * v + __ldg(c + col0 + j);
-        thread_max = fmaxf(thread_max, v);
-      }
-      vals[i * kVec + j] = v;
+      for (int j = 0; j < kVec; ++j) thread_max = fmaxf(thread_max, v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = -INFINITY;
     }
   }
-  const float row_max =
-      row_combine<kWarpsPerRow, true>(lanes_max<kLanes>(thread_max), scratch_max, row_in_block, warp_in_row);
+  float* row_slots = slots[0] + row_in_block * kWarpsPerRow;
+  const float row_max = row_combine<kWarpsPerRow, true>(lanes_max<kLanes>(thread_max), row_slots,
+                                                        warp_in_row);
 
   float thread_sum = 0.f;
 #pragma unroll
@@ -124,24 +158,130 @@ affine_softmax_rows(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, in
       thread_sum += e;
     }
   }
-  const float row_sum =
-      row_combine<kWarpsPerRow, false>(lanes_sum<kLanes>(thread_sum), scratch_sum, row_in_block, warp_in_row);
+  row_slots = slots[1] + row_in_block * kWarpsPerRow;
+  const float row_sum = row_combine<kWarpsPerRow, false>(lanes_sum<kLanes>(thread_sum), row_slots,
+                                                         warp_in_row);
   const float inv_sum = 1.f / row_sum;
 
   if (!row_valid) return;
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int64_t col0 = (int64_t(i) * kThreadsPerRow + t) * kVec;
-    if (col0 >= N) continue;
-    T res[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) res[j] = from_float<T>(vals[i * kVec + j] * inv_sum);
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<V*>(out + row * ld_out + col0) = *reinterpret_cast<V*>(res);
-    } else {
-      out[row * ld_out + col0] = res[0];
-    }
+    if (col0 < N) store_scaled<T, kVec>(out + row * ld_out + col0, vals + i * kVec, inv_sum);
   }
+}
+
+// ---- rows_staged ---------------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// One row per block of kThreads; block b handles rows b, b + gridDim.x, ... Each thread copies
+// kVecs 16-byte chunks of a row into shared memory (chunk i at column (i * kThreads + t) * kVec)
+// and later reads back only those chunks, so the staging needs cp.async.wait_group and no barrier;
+// kStages - 1 rows are in flight while one is reduced. kInRegisters: the row's values stay in
+// registers between the passes (kVecs * kVec floats); otherwise each pass re-reads shared memory,
+// which lets a row use up to all of it.
+template <class T, int kThreads, int kVecs, int kStages, bool kInRegisters>
+__global__ void __launch_bounds__(kThreads)
+rows_staged(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+            const float* __restrict__ a, const float* __restrict__ c) {
+  constexpr int kVec = Vec16<T>::kSize;
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kCached = kInRegisters ? kVecs * kVec : 1;
+  extern __shared__ uint4 staged[];  // [kStages][kVecs][kThreads] 16-byte chunks
+  __shared__ float slots[2][kWarps];
+  const int t = threadIdx.x;
+  const int warp = t / 32;
+  const int64_t step = gridDim.x;
+
+  auto chunk = [&](int stage, int i) -> uint4* { return &staged[(stage * kVecs + i) * kThreads + t]; };
+  auto col_of = [&](int i) { return int64_t(i * kThreads + t) * kVec; };
+  auto stage_row = [&](int64_t row, int stage) {
+    if (row < M) {
+      const T* src = in + row * ld_in;
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i)
+        if (col_of(i) < N) cp_async_16(chunk(stage, i), src + col_of(i));
+    }
+    cp_async_commit();  // an empty group past the last row keeps the group count uniform
+  };
+  auto values = [&](int stage, int i, float* v) {
+    load_affine<T, kVec>(reinterpret_cast<const T*>(chunk(stage, i)), col_of(i), a, c, v);
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) stage_row(blockIdx.x + s * step, s);
+  int stage = 0;
+  for (int64_t row = blockIdx.x; row < M; row += step) {  // uniform across the block
+    // Refill the stage the previous row used: this thread has consumed its chunks of it.
+    stage_row(row + (kStages - 1) * step, (stage + kStages - 1) % kStages);
+    cp_async_wait<kStages - 1>();  // this row's chunks (copied by this thread) have landed
+
+    float cache[kCached];
+    float thread_max = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (col_of(i) >= N) continue;
+      float v[kVec];
+      values(stage, i, v);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        thread_max = fmaxf(thread_max, v[j]);
+        if constexpr (kInRegisters) cache[i * kVec + j] = v[j];
+      }
+    }
+    const float row_max = row_combine<kWarps, true>(lanes_max<32>(thread_max), slots[0], warp);
+
+    float thread_sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (col_of(i) >= N) continue;
+      float v[kVec];
+      if constexpr (kInRegisters) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[j] = cache[i * kVec + j];
+      } else {
+        values(stage, i, v);
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const float e = softmax_exp<T>(v[j] - row_max);
+        thread_sum += e;
+        if constexpr (kInRegisters) cache[i * kVec + j] = e;
+      }
+    }
+    const float row_sum = row_combine<kWarps, false>(lanes_sum<32>(thread_sum), slots[1], warp);
+    const float inv_sum = 1.f / row_sum;
+
+    T* dst = out + row * ld_out;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      if (col_of(i) >= N) continue;
+      float e[kVec];
+      if constexpr (kInRegisters) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) e[j] = cache[i * kVec + j];
+      } else {
+        values(stage, i, e);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) e[j] = softmax_exp<T>(e[j] - row_max);
+      }
+      store_scaled<T, kVec>(dst + col_of(i), e, inv_sum);
+    }
+    // The two row_combine calls above reuse slots[0] / slots[1] on the next row; the barrier in the
+    // sum's combine orders every warp's read of slots[0] before any warp's next write of it, and the
+    // next row's max barrier does the same for slots[1].
+    stage = (stage + 1) % kStages;
+  }
+  cp_async_wait<0>();
 }
 
 // Online (max, sum) pair: sum is relative to max.
@@ -154,35 +294,20 @@ __device__ __forceinline__ MaxSum merge(MaxSum x, MaxSum y) {
   return {m, x.s * expf(x.m - m) + y.s * expf(y.m - m)};
 }
 
-// Rows too wide for registers: one block per row, reading the row twice.
+// Rows too wide for the other kernels: one block per row, reading the row twice.
 template <class T, int kVec>
 __global__ void __launch_bounds__(1024)
-affine_softmax_rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out,
-                           int64_t ld_out, const float* __restrict__ a,
-                           const float* __restrict__ c) {
-  using V = Vec16<T>;
+rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+            const float* __restrict__ a, const float* __restrict__ c) {
   __shared__ MaxSum warp_parts[32];
   const int64_t row = blockIdx.x;
   const T* src = in + row * ld_in;
   T* dst = out + row * ld_out;
-  auto load = [&](int64_t col0, float (&v)[kVec]) {
-    T raw[kVec];
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<V*>(raw) = *reinterpret_cast<const V*>(src + col0);
-    } else {
-      raw[0] = src[col0];
-    }
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      v[j] = to_float(raw[j]);
-      if (a != nullptr) v[j] = __ldg(a + col0 + j) * v[j] + __ldg(c + col0 + j);
-    }
-  };
 
   MaxSum acc{-INFINITY, 0.f};
   for (int64_t col0 = int64_t(threadIdx.x) * kVec; col0 < N; col0 += int64_t(blockDim.x) * kVec) {
     float v[kVec];
-    load(col0, v);
+    load_affine<T, kVec>(src + col0, col0, a, c, v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) acc = merge(acc, MaxSum{v[j], 1.f});
   }
@@ -199,56 +324,120 @@ affine_softmax_rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, T* 
 
   for (int64_t col0 = int64_t(threadIdx.x) * kVec; col0 < N; col0 += int64_t(blockDim.x) * kVec) {
     float v[kVec];
-    load(col0, v);
-    T res[kVec];
+    load_affine<T, kVec>(src + col0, col0, a, c, v);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) res[j] = from_float<T>(softmax_exp<T>(v[j] - total.m) * inv_sum);
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<V*>(dst + col0) = *reinterpret_cast<V*>(res);
-    } else {
-      dst[col0] = res[0];
-    }
+    for (int j = 0; j < kVec; ++j) v[j] = softmax_exp<T>(v[j] - total.m);
+    store_scaled<T, kVec>(dst + col0, v, inv_sum);
   }
 }
 
+struct RowsArgs {
+  int64_t M, N;
+  const void* in;
+  int64_t ld_in;
+  void* out;
+  int64_t ld_out;
+  const float* a;
+  const float* c;
+  cudaStream_t stream;
+};
+
 template <class T, int kVec, int kElems, int kThreadsPerRow>
-void launch_rows(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
-                 const float* a, const float* c, cudaStream_t stream) {
+void launch_in_registers(const RowsArgs& r) {
   constexpr int kBlock = kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock;
   constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
-  const int64_t blocks = (M + kRowsPerBlock - 1) / kRowsPerBlock;
-  affine_softmax_rows<T, kVec, kElems, kThreadsPerRow>
-      <<<dim3(unsigned(blocks)), kBlock, 0, stream>>>(M, N, in, ld_in, out, ld_out, a, c);
+  const int64_t blocks = (r.M + kRowsPerBlock - 1) / kRowsPerBlock;
+  rows_in_registers<T, kVec, kElems, kThreadsPerRow><<<dim3(unsigned(blocks)), kBlock, 0, r.stream>>>(
+      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<T*>(r.out), r.ld_out, r.a, r.c);
 }
 
-// Picks the smallest register-resident configuration that holds the row.
 template <class T, int kVec>
-void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
-            const float* a, const float* c, cudaStream_t stream) {
+void launch_looped(const RowsArgs& r) {
+  rows_looped<T, kVec><<<dim3(unsigned(r.M)), 1024, 0, r.stream>>>(
+      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<T*>(r.out), r.ld_out, r.a, r.c);
+}
+
+// Shared memory of a rows_staged launch: kStages rows of kVecs 16-byte chunks per thread.
+template <int kThreads, int kVecs, int kStages>
+constexpr size_t staged_bytes() {
+  return size_t(kStages) * kVecs * kThreads * 16;
+}
+
+// Launches rows_staged on a persistent grid (as many blocks as fit on the GPU at once, at most one
+// per row). Returns false when the configuration does not fit this GPU's shared memory.
+template <class T, int kThreads, int kVecs, int kStages, bool kInRegisters>
+bool launch_staged(const RowsArgs& r) {
+  constexpr size_t kSmem = staged_bytes<kThreads, kVecs, kStages>();
+  auto kernel = rows_staged<T, kThreads, kVecs, kStages, kInRegisters>;
+  // Blocks per SM, per device: queried once (the attribute above 48 KiB must be set per device).
+  static std::array<int, 128> per_sm_cache{};  // 0: not yet queried, -1: does not fit
+  const int device = current_device();
+  if (device < 0 || device >= int(per_sm_cache.size())) return false;
+  int& per_sm = per_sm_cache[device];
+  if (per_sm == 0) {
+    int fits = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)) ==
+            cudaSuccess &&
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, kThreads, kSmem) == cudaSuccess &&
+        fits > 0) {
+      per_sm = fits;
+    } else {
+      cudaGetLastError();  // a refused attribute is not an error of this op: take another kernel
+      per_sm = -1;
+    }
+  }
+  if (per_sm < 0) return false;
+  const int64_t blocks = std::min<int64_t>(r.M, int64_t(per_sm) * std::max(sm_count(device), 1));
+  kernel<<<dim3(unsigned(blocks)), kThreads, kSmem, r.stream>>>(
+      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<T*>(r.out), r.ld_out, r.a, r.c);
+  return true;
+}
+
+// 16-byte vectors (kVec elements). Measured on an H100 (scratch sweep over N = 1024 .. 65536):
+// one or two vectors per thread beat a warp holding the whole row up to 512 kVec; beyond that only
+// overlapping consecutive rows (rows_staged) keeps the memory system busy.
+template <class T>
+void launch_vectorized(const RowsArgs& r) {
+  constexpr int kVec = Vec16<T>::kSize;
+  const int64_t vecs = r.N / kVec;
+  // 4..32 lanes per row, one vector each; then 1..8 warps per row with two vectors each.
+  if (vecs <= 4) return launch_in_registers<T, kVec, kVec, 4>(r);
+  if (vecs <= 8) return launch_in_registers<T, kVec, kVec, 8>(r);
+  if (vecs <= 16) return launch_in_registers<T, kVec, kVec, 16>(r);
+  if (vecs <= 32) return launch_in_registers<T, kVec, kVec, 32>(r);
+  if (vecs <= 64) return launch_in_registers<T, kVec, 2 * kVec, 32>(r);
+  if (vecs <= 128) return launch_in_registers<T, kVec, 2 * kVec, 64>(r);
+  if (vecs <= 256) return launch_in_registers<T, kVec, 2 * kVec, 128>(r);
+  if (vecs <= 512) return launch_in_registers<T, kVec, 2 * kVec, 256>(r);
+  // One row per block, 4 vectors per thread in registers, the next row staged.
+  if (vecs <= 1024 && launch_staged<T, 256, 4, 2, true>(r)) return;
+  if (vecs <= 2048 && launch_staged<T, 512, 4, 2, true>(r)) return;
+  if (vecs <= 4096 && launch_staged<T, 1024, 4, 2, true>(r)) return;
+  // Rows of up to 128 KiB live in shared memory alone (one stage: no overlap between rows).
+  if (vecs <= 8192 && launch_staged<T, 1024, 8, 1, false>(r)) return;
+  launch_looped<T, kVec>(r);
+}
+
+// Element-wise (rows or vectors not 16-byte aligned).
+template <class T>
+void launch_elementwise(const RowsArgs& r) {
   constexpr int E = kMaxElemsPerThread;
-  // Short rows: a group of 4..32 lanes per row, one vector per lane, so no lane idles.
-  if (N <= 4 * kVec) return launch_rows<T, kVec, kVec, 4>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if (N <= 8 * kVec) return launch_rows<T, kVec, kVec, 8>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if (N <= 16 * kVec) return launch_rows<T, kVec, kVec, 16>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  // One warp per row: the row fits in 32 threads x kElems.
-  if (N <= 32 * kVec) return launch_rows<T, kVec, kVec, 32>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if constexpr (2 * kVec <= E)
-    if (N <= 32 * 2 * kVec) return launch_rows<T, kVec, 2 * kVec, 32>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if constexpr (4 * kVec <= E)
-    if (N <= 32 * 4 * kVec) return launch_rows<T, kVec, 4 * kVec, 32>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if constexpr (8 * kVec <= E)
-    if (N <= 32 * 8 * kVec) return launch_rows<T, kVec, 8 * kVec, 32>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if constexpr (16 * kVec <= E)
-    if (N <= 32 * 16 * kVec) return launch_rows<T, kVec, 16 * kVec, 32>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if (N <= 32 * E) return launch_rows<T, kVec, E, 32>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  // Several warps per row, E elements per thread.
-  if (N <= 64 * E) return launch_rows<T, kVec, E, 64>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if (N <= 128 * E) return launch_rows<T, kVec, E, 128>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if (N <= 256 * E) return launch_rows<T, kVec, E, 256>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if (N <= 512 * E) return launch_rows<T, kVec, E, 512>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  if (N <= 1024 * E) return launch_rows<T, kVec, E, 1024>(M, N, in, ld_in, out, ld_out, a, c, stream);
-  affine_softmax_rows_looped<T, kVec><<<dim3(unsigned(M)), 1024, 0, stream>>>(M, N, in, ld_in, out,
-                                                                            ld_out, a, c);
+  const int64_t N = r.N;
+  if (N <= 4) return launch_in_registers<T, 1, 1, 4>(r);
+  if (N <= 8) return launch_in_registers<T, 1, 1, 8>(r);
+  if (N <= 16) return launch_in_registers<T, 1, 1, 16>(r);
+  if (N <= 32) return launch_in_registers<T, 1, 1, 32>(r);
+  if (N <= 64) return launch_in_registers<T, 1, 2, 32>(r);
+  if (N <= 128) return launch_in_registers<T, 1, 2, 64>(r);
+  if (N <= 256) return launch_in_registers<T, 1, 2, 128>(r);
+  if (N <= 512) return launch_in_registers<T, 1, 2, 256>(r);
+  if (N <= 1024) return launch_in_registers<T, 1, 4, 256>(r);
+  if (N <= 2048) return launch_in_registers<T, 1, 8, 256>(r);
+  if (N <= 4096) return launch_in_registers<T, 1, 16, 256>(r);
+  if (N <= 256 * E) return launch_in_registers<T, 1, E, 256>(r);
+  if (N <= 512 * E) return launch_in_registers<T, 1, E, 512>(r);
+  if (N <= 1024 * E) return launch_in_registers<T, 1, E, 1024>(r);
+  launch_looped<T, 1>(r);
 }
 
 }  // namespace
@@ -256,17 +445,17 @@ void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld
 void affine_softmax(DType dtype, int64_t M, int64_t N, const void* in, int64_t ld_in, void* out,
                     int64_t ld_out, const float* a, const float* c, cudaStream_t stream) {
   if (M == 0 || N == 0) return;
+  const RowsArgs r{M, N, in, ld_in, out, ld_out, a, c, stream};
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kVec = Vec16<T>::kSize;
-    const T* src = static_cast<const T*>(in);
-    T* dst = static_cast<T*>(out);
+    const bool affine_aligned = a == nullptr || (is_aligned16(a) && is_aligned16(c));
     const bool vectorizable = N % kVec == 0 && ld_in % kVec == 0 && ld_out % kVec == 0 &&
-                              is_aligned16(in) && is_aligned16(out);
+                              is_aligned16(in) && is_aligned16(out) && affine_aligned;
     if (vectorizable) {
-      launch<T, kVec>(M, N, src, ld_in, dst, ld_out, a, c, stream);
+      launch_vectorized<T>(r);
     } else {
-      launch<T, 1>(M, N, src, ld_in, dst, ld_out, a, c, stream);
+      launch_elementwise<T>(r);
     }
   });
   check_launch("affine_softmax");

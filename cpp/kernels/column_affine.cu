@@ -1,6 +1,9 @@
 // z[m, n] = a[n] * z[m, n] + c[n] in place: the training-mode epilogue of a head without softmax,
 // applied once the batch statistics (and so a, c) are known. One read and one write per element,
 // 16-byte vectors when the rows allow it.
+// Each thread owns one vector of columns for a band of rows: it loads its kVec (a, c) pairs once
+// and then streams the band with kUnroll loads in flight, so the pass is bound by DRAM bandwidth
+// rather than by per-element parameter loads or index arithmetic.
 #include <algorithm>
 
 #include "cuda_utils.cuh"
@@ -9,45 +12,68 @@
 namespace epifuse {
 namespace {
 
+constexpr int kUnroll = 4;
+
 template <class T, int kVec>
-__global__ void column_affine_kernel(int64_t M, int64_t N, T* z, int64_t ld,
-                                     const float* __restrict__ a, const float* __restrict__ c) {
+__global__ void __launch_bounds__(256)
+column_affine_kernel(int64_t M, int64_t N, T* z, int64_t ld, const float* __restrict__ a,
+                     const float* __restrict__ c, int64_t rows_per_block) {
   using V = Vec16<T>;
-  const int64_t vecs_per_row = N / kVec;
-  const int64_t total = M * vecs_per_row;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / vecs_per_row;
-    const int64_t col0 = (i - row * vecs_per_row) * kVec;
-    T* p = z + row * ld + col0;
-    T v[kVec];
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<V*>(v) = *reinterpret_cast<const V*>(p);
-    } else {
-      v[0] = *p;
-    }
+  const int64_t col0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
+  if (col0 >= N) return;  // kVec > 1 implies N % kVec == 0
+  float av[kVec], cv[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j)
-      v[j] = from_float<T>(__ldg(a + col0 + j) * to_float(v[j]) + __ldg(c + col0 + j));
+  for (int j = 0; j < kVec; ++j) {
+    av[j] = __ldg(a + col0 + j);
+    cv[j] = __ldg(c + col0 + j);
+  }
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
+  const int64_t r1 = std::min<int64_t>(M, r0 + rows_per_block);
+  T* base = z + col0;
+  auto load = [&](int64_t r, T (&v)[kVec]) {
     if constexpr (kVec > 1) {
-      *reinterpret_cast<V*>(p) = *reinterpret_cast<V*>(v);
+      *reinterpret_cast<V*>(v) = *reinterpret_cast<const V*>(base + r * ld);
     } else {
-      *p = v[0];
+      v[0] = base[r * ld];
     }
+  };
+  auto apply_store = [&](int64_t r, T (&v)[kVec]) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = from_float<T>(av[j] * to_float(v[j]) + cv[j]);
+    if constexpr (kVec > 1) {
+      *reinterpret_cast<V*>(base + r * ld) = *reinterpret_cast<V*>(v);
+    } else {
+      base[r * ld] = v[0];
+    }
+  };
+  int64_t r = r0;
+  for (; r + kUnroll <= r1; r += kUnroll) {
+    T v[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load(r + u, v[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) apply_store(r + u, v[u]);
+  }
+  for (; r < r1; ++r) {
+    T v[kVec];
+    load(r, v);
+    apply_store(r, v);
   }
 }
 
 template <class T, int kVec>
 void launch(int64_t M, int64_t N, T* z, int64_t ld, const float* a, const float* c,
             cudaStream_t stream) {
-  constexpr int kBlock = 256;
-  const int64_t total = M * (N / kVec);
-  int device = 0, sms = 132;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  // Enough blocks to fill the GPU several times over; the grid-stride loop covers the rest.
-  const int64_t blocks = std::min<int64_t>((total + kBlock - 1) / kBlock, int64_t(sms) * 16);
-  column_affine_kernel<T, kVec><<<dim3(unsigned(blocks)), kBlock, 0, stream>>>(M, N, z, ld, a, c);
+  const int64_t vecs = N / kVec;
+  const int threads = int(std::min<int64_t>(256, (vecs + 31) / 32 * 32));
+  const int64_t col_blocks = (vecs + threads - 1) / threads;
+  // About 2048 resident threads per SM, in bands of at least kUnroll rows.
+  const int64_t sms = std::max(sm_count(current_device()), 1);
+  const int64_t want = std::max<int64_t>(1, sms * (2048 / threads) / col_blocks);
+  const int64_t bands = std::min<int64_t>({want, (M + kUnroll - 1) / kUnroll, 65535});
+  const int64_t rows_per_block = (M + bands - 1) / bands;
+  const dim3 grid(unsigned(col_blocks), unsigned((M + rows_per_block - 1) / rows_per_block));
+  column_affine_kernel<T, kVec><<<grid, threads, 0, stream>>>(M, N, z, ld, a, c, rows_per_block);
 }
 
 __global__ void identity_affine_kernel(int64_t N, float* a, float* c) {

@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <stdexcept>
 #include <string>
 
@@ -52,5 +53,23 @@ struct alignas(16) Vec16 {
 };
 
 inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+inline int current_device() {
+  int device = 0;
+  cudaGetDevice(&device);
+  return device;
+}
+
+// Number of SMs of a device, queried once per device (launch sizing runs on every op call).
+inline int sm_count(int device) {
+  static std::array<int, 128> cache{};  // benign race: every writer stores the same value
+  if (device < 0 || device >= int(cache.size())) return 0;
+  if (cache[device] == 0) {
+    int count = 0;
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    cache[device] = count;
+  }
+  return cache[device];
+}
 
 }  // namespace epifuse

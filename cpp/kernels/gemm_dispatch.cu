@@ -78,17 +78,6 @@ Plan choose_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops, 
   return Plan::kFallback;
 }
 
-[[maybe_unused]] int sm_count(int device) {
-  static std::array<int, 128> cache{};  // benign race: every writer stores the same value
-  if (device < 0 || device >= int(cache.size())) return 0;
-  if (cache[device] == 0) {
-    int count = 0;
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    cache[device] = count;
-  }
-  return cache[device];
-}
-
 #if EPIFUSE_HAVE_SM90
 // Stream-K pays for its partial-tile fix-up only when data-parallel tiles cannot fill the GPU:
 // e.g. problem 84 at M <= 512 has at most 128 tiles of 128x256 for 132 SMs.
@@ -148,12 +137,6 @@ void with_sm80_config(Plan plan, Fn&& fn) {
     case Plan::kSm80Fp16: return fn(sm80::Fp16{});
     default: throw std::logic_error("epifuse: not an sm80 plan");
   }
-}
-
-[[maybe_unused]] int current_device() {
-  int device = 0;
-  cudaGetDevice(&device);
-  return device;
 }
 
 // One entry of EPIFUSE_BUILT_ARCHS ("80", "86", "90a"): the last digit is the minor version.

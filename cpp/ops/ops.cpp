@@ -83,6 +83,17 @@ std::pair<int, int> compute_capability(int device) {
   return cache[device];
 }
 
+// Whether this build has kernels for a device's GPU, decided once per device (every op asks).
+bool device_supported(int device) {
+  static std::array<int8_t, 128> cache{};  // 0: not asked yet, 1: yes, -1: no; writers agree
+  int8_t& known = cache[device];           // compute_capability() checked the index
+  if (known == 0) {
+    const auto [major, minor] = compute_capability(device);
+    known = supports_device(major, minor) ? 1 : -1;
+  }
+  return known > 0;
+}
+
 // Makes t's device current for the op. Checks first that t is a CUDA tensor (a guard built from
 // a CPU device is undefined behaviour in release builds of c10) and that this build has kernels
 // for its GPU (else every launch would fail with "no kernel image is available").
@@ -90,7 +101,7 @@ c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* 
   EPIFUSE_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
               t.device());
   const auto [major, minor] = compute_capability(t.get_device());
-  EPIFUSE_CHECK(supports_device(major, minor), "epifuse::", op, ": this library has no kernels for ",
+  EPIFUSE_CHECK(device_supported(t.get_device()), "epifuse::", op, ": this library has no kernels for ",
               t.device(), " (sm_", major, minor, "); it was built for ", built_archs(),
               ". Rebuild with -DEPIFUSE_ARCHS=", major, minor, " (CMake) to add it.");
   return c10::cuda::CUDAGuard(t.device());

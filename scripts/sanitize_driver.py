@@ -5,7 +5,7 @@ Covers: ragged tiles (M, N not multiples of 128/256), stream-K (few tiles) and d
 (more tiles than SMs) sm90 GEMMs, the portable SIMT GEMM (fp32 'ieee' with TF32 allowed in
 cuBLAS; K not a multiple of 8 for 16-bit / of 4 for fp32; N unaligned; strided x), the cuBLAS
 IEEE path, the sm80 mma.sync GEMMs (3xTF32 always; every mode with EPIFUSE_FORCE_SM80=1), empty problems, the fold for N = 1..4097, the row kernels from 1 column to the
-looped wide-row softmax (N = 8192, 40000), fp32 / bf16 / fp16, in-place ops on strided views.
+staged and looped wide-row softmax (N = 8192 .. 40000, many rows), fp32 / bf16 / fp16, in-place ops on strided views.
 
 Each launch is followed by a synchronize (so the sanitizer attributes errors to the right op)
 and a loose value check against float64 math: a silent wrong answer also fails the run.
@@ -51,7 +51,10 @@ GEMM_SHAPES_FULL = [
     (1536, 1536, 64),   # colstats 128x128 tiles: 144 > 132 SMs -> data-parallel kernel
     (1536, 3072, 32),   # affine 128x256 tiles: 144 -> data-parallel kernel
 ]
-ROW_SHAPES = [(3, 1), (5, 7), (33, 100), (7, 1000), (4, 4097), (2, 8192), (2, 40000), (1, 33)]
+# (300, 12288) and (300, 20000): more rows than resident blocks, so the staged softmax kernels go
+# round their persistent loop (shared-memory stages reused) several times.
+ROW_SHAPES = [(3, 1), (5, 7), (33, 100), (7, 1000), (4, 4097), (2, 8192), (2, 40000), (1, 33),
+              (300, 12288), (300, 20000)]
 FOLD_N = [1, 7, 256, 4097]
 MODEL_SHAPES = [(2, 16, 8), (33, 13, 65), (130, 72, 264), (300, 256, 264)]  # (M, K, N)
 

@@ -19,9 +19,10 @@ KINDS = {"ieee": (torch.float32, "ieee", 2e-6), "3xtf32": (torch.float32, "3xtf3
          "tf32": (torch.float32, "tf32", 2e-3),
          "fp16": (torch.float16, "", 2e-3), "bf16": (torch.bfloat16, "", 1e-2)}
 # (2048, 2304, 64): 144 wide tiles, more than the SMs, so Hopper's column statistics take the
-# affine kernel + fp64 pass plan; (256, 4096, 1024): the stream-K fused statistics kernel.
+# affine kernel + fp64 pass plan; (2100, 2304, 64) too, with a row count that leaves the pass's
+# 4-rows-in-flight loop a remainder; (256, 4096, 1024): the stream-K fused statistics kernel.
 GEMM_SHAPES = [(1, 1, 1), (3, 17, 5), (17, 1000, 3), (1000, 3, 4097), (4097, 129, 17),
-               (256, 4096, 1024), (2048, 2304, 64)]
+               (256, 4096, 1024), (2048, 2304, 64), (2100, 2304, 64)]
 GEMM_CASES = [pytest.param(kind, s, id=f"{kind}-M{s[0]}-N{s[1]}-K{s[2]}")
               for kind in KINDS for s in GEMM_SHAPES]
 

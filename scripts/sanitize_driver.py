@@ -46,10 +46,12 @@ GEMM_SHAPES = [
     (257, 136, 64),     # ragged M (2 tiles + 1 row)
     (64, 520, 13),      # K odd: SIMT with more rows
     (33, 100, 40),      # N = 100: TMA for fp32 (4 | 100), SIMT for 16-bit (8 does not divide 100)
+    (40, 1000, 64),     # M <= 64: the transposed sm90 GEMM (z^T = w . x^T), ragged tiles
 ]
 GEMM_SHAPES_FULL = [
     (1536, 1536, 64),   # colstats 128x128 tiles: 144 > 132 SMs -> data-parallel kernel
     (1536, 3072, 32),   # affine 128x256 tiles: 144 -> data-parallel kernel
+    (64, 4096, 4096),   # transposed GEMM, 2^30 multiply-adds: statistics as the separate pass
 ]
 # (300, 12288) and (300, 20000): more rows than resident blocks, so the staged softmax kernels go
 # round their persistent loop (shared-memory stages reused) several times.

@@ -4,6 +4,7 @@
 // does after the Linear layer is per column, so it is one of two trees over acc:
 //
 //   PerColumnAffine   (eval mode)      D = a[n] * acc + c[n]
+//                     (PerColumnAffineTransposed: the same for the small-batch GEMM z^T = w . x^T)
 //   ColumnStatistics  (training mode)  D = acc,  colsum[n] += acc,  colsumsq[n] += acc^2
 //
 // Training needs the batch statistics before the affine can be folded, so it stores acc and a
@@ -39,11 +40,24 @@ using PerColumnAffine =
                     fusion::Sm90AccFetch,           // acc
                     ColumnVector<CtaTileShapeMNK>>; // c[n]
 
-// Arguments in the tree's order: {a, acc, c, multiply_add}.
+// Arguments in the tree's order: {a, acc, c, multiply_add}; the same for the transposed tree.
 template <class Fusion>
 typename Fusion::Arguments per_column_affine_args(const float* a, const float* c) {
   return {{a}, {}, {c}, {}};
 }
+
+// ---- eval, transposed GEMM: D'[n, m] = a[n] * acc'[n, m] + c[n] ---------------------------------
+// For small batches the GEMM runs as z^T = w . x^T (see sm90_gemm.cuh, kTransposed): the head's
+// columns are then the rows of the kernel's tile, so a and c are broadcast along its columns.
+template <class CtaTileShapeMNK>
+using RowVector = fusion::Sm90ColBroadcast<0, CtaTileShapeMNK, float, float>;
+
+template <class CtaTileShapeMNK, class ElementD>
+using PerColumnAffineTransposed =
+    fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, kRound>,
+                    RowVector<CtaTileShapeMNK>,  // a[n], n = the kernel's row
+                    fusion::Sm90AccFetch,        // acc' = acc^T
+                    RowVector<CtaTileShapeMNK>>; // c[n]
 
 // ---- training: D = acc, per-column sum and sum of squares in fp64 -----------------------------
 

@@ -2,9 +2,10 @@
 //
 //   Hopper (sm_90), TF32 or 16-bit math, 16-byte aligned rows (K, N, leading dimensions and base
 //   pointers):       one CUTLASS sm90 GEMM (TMA + wgmma) with the epilogue fused (epilogues.hpp);
-//                    stream-K when the output tiles cannot fill the SMs. Column statistics on a
-//                    grid that fills the GPU: the affine kernel stores z, an fp64 pass sums it
-//                    (see stats_as_separate_pass).
+//                    stream-K when the output tiles cannot fill the SMs; batches of <= 64 rows
+//                    as the transposed GEMM z^T = w . x^T (small_batch). Column statistics of
+//                    all but the smallest GEMMs: the affine kernel stores z, an fp64 pass sums
+//                    it (see stats_as_separate_pass).
 //   sm_80 and later otherwise (A100, Ada, and Hopper for 3xTF32, which has no wgmma form, or when
 //   EPIFUSE_FORCE_SM80=1), same alignment: one CUTLASS 2.x GEMM (cp.async + mma.sync) with the
 //                    epilogue fused (sm80_epilogues.hpp); its stream-K schedule sizes itself.
@@ -88,10 +89,17 @@ bool prefer_stream_k(const GemmProblem& p, Epilogue e, int sms) {
   return tiles < sms;
 }
 
+// Batches of at most this many rows run the transposed GEMM (sm90_gemm_configs.hpp, SmallM): a
+// 128-row tile would be mostly padding, 8x the useful TF32 math at M = 16.
+constexpr int64_t kSmallBatchRows = 64;
+
+bool small_batch(const GemmProblem& p) { return p.M <= kSmallBatchRows; }
+
 // Calls fn(Config) with the tile configuration of a Hopper plan.
-template <class Wide, class WideSK, class Tall, class TallSK, class Fn>
-void pick_config(Epilogue e, bool stream_k, Fn&& fn) {
+template <class Wide, class WideSK, class SmallM, class Tall, class TallSK, class Fn>
+void pick_config(const GemmProblem& p, Epilogue e, bool stream_k, Fn&& fn) {
   if (e == Epilogue::kAffine) {
+    if (small_batch(p)) return fn(SmallM{});
     if (stream_k) return fn(WideSK{});
     return fn(Wide{});
   }
@@ -104,9 +112,12 @@ void with_sm90_config(Plan plan, const GemmProblem& p, Epilogue e, int sms, Fn&&
   const bool sk = prefer_stream_k(p, e, sms);
   using namespace sm90;
   switch (plan) {
-    case Plan::kSm90Tf32: return pick_config<Tf32Wide, Tf32WideSK, Tf32Tall, Tf32TallSK>(e, sk, fn);
-    case Plan::kSm90Bf16: return pick_config<Bf16Wide, Bf16WideSK, Bf16Tall, Bf16TallSK>(e, sk, fn);
-    case Plan::kSm90Fp16: return pick_config<Fp16Wide, Fp16WideSK, Fp16Tall, Fp16TallSK>(e, sk, fn);
+    case Plan::kSm90Tf32:
+      return pick_config<Tf32Wide, Tf32WideSK, Tf32SmallM, Tf32Tall, Tf32TallSK>(p, e, sk, fn);
+    case Plan::kSm90Bf16:
+      return pick_config<Bf16Wide, Bf16WideSK, Bf16SmallM, Bf16Tall, Bf16TallSK>(p, e, sk, fn);
+    case Plan::kSm90Fp16:
+      return pick_config<Fp16Wide, Fp16WideSK, Fp16SmallM, Fp16Tall, Fp16TallSK>(p, e, sk, fn);
     default: throw std::logic_error("epifuse: not a Hopper plan");
   }
 }
@@ -114,11 +125,18 @@ void with_sm90_config(Plan plan, const GemmProblem& p, Epilogue e, int sms, Fn&&
 // Column statistics on Hopper, measured on an H100 (problem 84, BENCHMARKS.md): the fused
 // statistics epilogue keeps fp64 sums in registers, which forces 256x64 tiles, and runs at 280
 // (TF32) / 577 (bf16) TFLOP/s where the affine kernel's 128x256 tiles reach 409 / 785, and at
-// M = 16384 at 137 / 228. Storing z with the affine kernel (a = 1, c = 0) and summing it in a
-// separate deterministic fp64 pass costs one more read of z (~15 us at 1024x8192 fp32) and wins
-// whenever the wide tiles fill the GPU; below that the stream-K fused kernel stays.
+// M = 16384 at 137 / 228; at M = 16 .. 512 (stream-K) it took 0.25-0.28 ms for problem 84's
+// weights where the affine kernel took 0.15-0.20. Storing z with the affine kernel (a = 1, c = 0)
+// and summing it in a separate deterministic fp64 pass costs one more read of z (~9 us at
+// 1024x8192 fp32 on an H200) and two more launches, which pays whenever the GEMM is more than a
+// few microseconds of work: 2^30 multiply-adds (problem 84 at M = 16), or a grid that fills the
+// GPU. Only small GEMMs, where launches dominate, keep the fused kernel.
+constexpr double kSeparateStatsMacs = double(1 << 30);
+
 bool stats_as_separate_pass(const GemmProblem& p, Epilogue e, int sms) {
-  return e == Epilogue::kColumnStats && !prefer_stream_k(p, Epilogue::kAffine, sms);
+  if (e != Epilogue::kColumnStats) return false;
+  const double macs = double(p.M) * double(p.N) * double(p.K);
+  return macs >= kSeparateStatsMacs || !prefer_stream_k(p, Epilogue::kAffine, sms);
 }
 
 // The separate-pass plan's workspace: a and c (N floats each), then the GEMM's own.
@@ -177,8 +195,12 @@ size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int cc_major, int 
       return identity_vectors_bytes(p) + gemm_workspace_bytes(p, Epilogue::kAffine, cc_major, cc_minor);
     with_sm90_config(plan, p, e, sms, [&](auto cfg) {
       using Config = decltype(cfg);
-      bytes = e == Epilogue::kAffine ? sm90::affine_workspace_bytes<Config>(p, device, sms)
-                                     : sm90::column_stats_workspace_bytes<Config>(p, device, sms);
+      if constexpr (Config::kTransposed) {  // affine only (statistics: separate pass, above)
+        bytes = sm90::affine_workspace_bytes<Config>(p, device, sms);
+      } else {
+        bytes = e == Epilogue::kAffine ? sm90::affine_workspace_bytes<Config>(p, device, sms)
+                                       : sm90::column_stats_workspace_bytes<Config>(p, device, sms);
+      }
     });
     return bytes;
   }
@@ -239,7 +261,9 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
     }
     with_sm90_config(plan, p, e, sms, [&](auto cfg) {
       using Config = decltype(cfg);
-      if (e == Epilogue::kAffine) {
+      if constexpr (Config::kTransposed) {  // affine only (statistics: separate pass, above)
+        sm90::run_affine<Config>(p, ops, workspace, device, sms, stream);
+      } else if (e == Epilogue::kAffine) {
         sm90::run_affine<Config>(p, ops, workspace, device, sms, stream);
       } else {
         sm90::run_column_stats<Config>(p, ops, workspace, device, sms, stream);

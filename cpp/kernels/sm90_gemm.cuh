@@ -7,6 +7,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -25,22 +26,30 @@ using namespace cute;
 // Scheduler: cutlass::gemm::PersistentScheduler (data-parallel over output tiles) or
 // cutlass::gemm::StreamKScheduler (splits the K loop across CTAs when there are too few tiles to
 // fill the GPU; CUTLASS's heuristic falls back to data-parallel when they do).
-template <class ElementIn_, class TileShape_, class ClusterShape_, class Scheduler_>
+// Transposed: the kernel computes z^T = w . x^T, i.e. D'[n, m] stored column-major, which is z
+// row-major. wgmma tiles are at least 64 rows tall, so a batch of M <= 64 rows would fill a
+// 128-row tile with 128 - M rows of padding (8x the useful TF32 math at M = 16, more than the time
+// it takes to stream w); transposed, the batch is the tile's N extent and the weight's rows fill M.
+template <class ElementIn_, class TileShape_, class ClusterShape_, class Scheduler_,
+          bool kTransposed_ = false>
 struct TileConfig {
   using ElementIn = ElementIn_;
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using Scheduler = Scheduler_;
+  static constexpr bool kTransposed = kTransposed_;
 };
 
-// FusionOf<TileShape, ElementD> is an EVT from epilogues.hpp.
-template <class Config, template <class, class> class FusionOf>
+// Fusion is an EVT from epilogues.hpp, instantiated for Config's tile shape and output type.
+template <class Config, class Fusion_>
 struct GemmKernel {
   using ElementIn = typename Config::ElementIn;
   using ElementD = ElementIn;  // the GEMM output keeps the input dtype
   using TileShape = typename Config::TileShape;
   using ClusterShape = typename Config::ClusterShape;
-  using Fusion = FusionOf<TileShape, ElementD>;
+  using Fusion = Fusion_;
+  using LayoutD = std::conditional_t<Config::kTransposed, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
 
   static constexpr int kAlignIn = 16 / sizeof(ElementIn);  // TMA: 16-byte aligned rows
   static constexpr int kAlignD = 16 / sizeof(ElementD);
@@ -48,14 +57,14 @@ struct GemmKernel {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      void, cutlass::layout::RowMajor, kAlignD,        // no C operand
-      ElementD, cutlass::layout::RowMajor, kAlignD,
+      void, LayoutD, kAlignD,                          // no C operand
+      ElementD, LayoutD, kAlignD,
       cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      ElementIn, cutlass::layout::RowMajor, kAlignIn,     // x: [M, K], K-major
-      ElementIn, cutlass::layout::ColumnMajor, kAlignIn,  // w: [N, K], K-major
+      ElementIn, cutlass::layout::RowMajor, kAlignIn,     // x: [M, K], K-major (transposed: w)
+      ElementIn, cutlass::layout::ColumnMajor, kAlignIn,  // w: [N, K], K-major (transposed: x)
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -73,16 +82,30 @@ struct GemmKernel {
     using StrideB = typename Kernel::StrideB;
     using StrideC = typename Kernel::StrideC;
     using StrideD = typename Kernel::StrideD;
-    StrideA stride_x = make_stride(p.ldx, Int<1>{}, int64_t(0));
-    StrideB stride_w = make_stride(p.ldw, Int<1>{}, int64_t(0));
-    StrideD stride_out = make_stride(p.ldo, Int<1>{}, int64_t(0));
+    const auto* x = static_cast<const ElementIn*>(p.x);
+    const auto* w = static_cast<const ElementIn*>(p.w);
+    auto* out = static_cast<ElementD*>(p.out);
     cutlass::KernelHardwareInfo hw_info{device, sm_count};
-    return Arguments{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {int(p.M), int(p.N), int(p.K), 1},
-        {static_cast<const ElementIn*>(p.x), stride_x, static_cast<const ElementIn*>(p.w), stride_w},
-        {fusion_args, nullptr, StrideC{}, static_cast<ElementD*>(p.out), stride_out},
-        hw_info};
+    if constexpr (Config::kTransposed) {
+      // A = w [N, K], B = x [M, K], D' [N, M] column-major with leading dimension ldo: z itself.
+      StrideA stride_w = make_stride(p.ldw, Int<1>{}, int64_t(0));
+      StrideB stride_x = make_stride(p.ldx, Int<1>{}, int64_t(0));
+      StrideD stride_out = make_stride(Int<1>{}, p.ldo, int64_t(0));
+      return Arguments{cutlass::gemm::GemmUniversalMode::kGemm,
+                       {int(p.N), int(p.M), int(p.K), 1},
+                       {w, stride_w, x, stride_x},
+                       {fusion_args, nullptr, StrideC{}, out, stride_out},
+                       hw_info};
+    } else {
+      StrideA stride_x = make_stride(p.ldx, Int<1>{}, int64_t(0));
+      StrideB stride_w = make_stride(p.ldw, Int<1>{}, int64_t(0));
+      StrideD stride_out = make_stride(p.ldo, Int<1>{}, int64_t(0));
+      return Arguments{cutlass::gemm::GemmUniversalMode::kGemm,
+                       {int(p.M), int(p.N), int(p.K), 1},
+                       {x, stride_x, w, stride_w},
+                       {fusion_args, nullptr, StrideC{}, out, stride_out},
+                       hw_info};
+    }
   }
 
   static size_t workspace_bytes(const GemmProblem& p, int device, int sm_count) {
@@ -108,31 +131,45 @@ struct GemmKernel {
   }
 };
 
+// The eval epilogue of a configuration: per column of z, i.e. per row of a transposed kernel's tile.
+template <class Config>
+using AffineKernel = GemmKernel<
+    Config, std::conditional_t<
+                Config::kTransposed,
+                evt::PerColumnAffineTransposed<typename Config::TileShape, typename Config::ElementIn>,
+                evt::PerColumnAffine<typename Config::TileShape, typename Config::ElementIn>>>;
+
+template <class Config>
+using ColumnStatsKernel =
+    GemmKernel<Config, evt::ColumnStatistics<typename Config::TileShape, typename Config::ElementIn>>;
+
 // Entry points, explicitly instantiated once per configuration in the sm90_gemm_*.cu translation
 // units (declared `extern template` in sm90_gemm_configs.hpp so the dispatcher never instantiates a
 // kernel itself).
 template <class Config>
 size_t affine_workspace_bytes(const GemmProblem& p, int device, int sm_count) {
-  return GemmKernel<Config, evt::PerColumnAffine>::workspace_bytes(p, device, sm_count);
+  return AffineKernel<Config>::workspace_bytes(p, device, sm_count);
 }
 
 template <class Config>
 void run_affine(const GemmProblem& p, const EpilogueOperands& ops, void* workspace, int device,
                 int sm_count, cudaStream_t stream) {
-  using K = GemmKernel<Config, evt::PerColumnAffine>;
+  using K = AffineKernel<Config>;
   K::run(p, evt::per_column_affine_args<typename K::Fusion>(ops.a, ops.c), workspace, device,
          sm_count, stream);
 }
 
 template <class Config>
 size_t column_stats_workspace_bytes(const GemmProblem& p, int device, int sm_count) {
-  return GemmKernel<Config, evt::ColumnStatistics>::workspace_bytes(p, device, sm_count);
+  static_assert(!Config::kTransposed, "column statistics of a transposed GEMM run as a separate pass");
+  return ColumnStatsKernel<Config>::workspace_bytes(p, device, sm_count);
 }
 
 template <class Config>
 void run_column_stats(const GemmProblem& p, const EpilogueOperands& ops, void* workspace, int device,
                       int sm_count, cudaStream_t stream) {
-  using K = GemmKernel<Config, evt::ColumnStatistics>;
+  static_assert(!Config::kTransposed, "column statistics of a transposed GEMM run as a separate pass");
+  using K = ColumnStatsKernel<Config>;
   K::run(p, evt::column_statistics_args<typename K::Fusion>(ops.colsum, ops.colsumsq), workspace,
          device, sm_count, stream);
 }

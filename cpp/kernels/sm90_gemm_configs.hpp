@@ -16,6 +16,12 @@
 //    pair them along N (1x2) to multicast each x tile, which they would otherwise re-read N/64 times.
 //  - Stream-K variants for problems with fewer output tiles than SMs (small M): the K loop is
 //    split across CTAs so the whole GPU streams the weight.
+//  - SmallM (batches of M <= 64 rows): the transposed GEMM z^T = w . x^T with 128x64 tiles, so the
+//    weight's rows fill the wgmma tile and the batch pads to 64 columns instead of 128 rows;
+//    stream-K, since N / 128 tiles rarely fill the GPU.
+//  - Measured alternatives (H200, problem 84 and 39 shapes, TF32 and bf16; scratch GEMM lab):
+//    1x2 and 1x1 clusters, 256x128 tiles, ping-pong 128x128 and 64x256 tiles, raster order and
+//    swizzle 1-8 all came within 2% of, or below, the configurations here; cuBLAS ran within 2-5%.
 #pragma once
 
 #include "cutlass/bfloat16.h"
@@ -44,12 +50,19 @@ using Fp16Wide = TileConfig<cutlass::half_t, Shape<_128, _256, _64>, Cluster2x1,
 using Fp16WideSK = TileConfig<cutlass::half_t, Shape<_128, _256, _64>, Cluster2x1, StreamKScheduler>;
 using Fp16Tall = TileConfig<cutlass::half_t, Shape<_256, _64, _64>, Cluster1x2, PersistentScheduler>;
 using Fp16TallSK = TileConfig<cutlass::half_t, Shape<_256, _64, _64>, Cluster1x2, StreamKScheduler>;
+using Cluster1x1 = Shape<_1, _1, _1>;
+constexpr bool kTransposed = true;
+using Tf32SmallM = TileConfig<float, Shape<_128, _64, _32>, Cluster1x1, StreamKScheduler, kTransposed>;
+using Bf16SmallM = TileConfig<cutlass::bfloat16_t, Shape<_128, _64, _64>, Cluster1x1, StreamKScheduler, kTransposed>;
+using Fp16SmallM = TileConfig<cutlass::half_t, Shape<_128, _64, _64>, Cluster1x1, StreamKScheduler, kTransposed>;
 
 // Instantiated in sm90_gemm_<dtype>_<epilogue>.cu.
-#define EPIFUSE_SM90_EXTERN(Config)                                                               \
+#define EPIFUSE_SM90_EXTERN_AFFINE(Config)                                                        \
   extern template size_t affine_workspace_bytes<Config>(const GemmProblem&, int, int);                 \
   extern template void run_affine<Config>(const GemmProblem&, const EpilogueOperands&, void*, int, \
-                                          int, cudaStream_t);                                     \
+                                          int, cudaStream_t);
+#define EPIFUSE_SM90_EXTERN(Config)                                                               \
+  EPIFUSE_SM90_EXTERN_AFFINE(Config)                                                              \
   extern template size_t column_stats_workspace_bytes<Config>(const GemmProblem&, int, int);           \
   extern template void run_column_stats<Config>(const GemmProblem&, const EpilogueOperands&,      \
                                                 void*, int, int, cudaStream_t);
@@ -66,6 +79,10 @@ EPIFUSE_SM90_EXTERN(Fp16Wide)
 EPIFUSE_SM90_EXTERN(Fp16WideSK)
 EPIFUSE_SM90_EXTERN(Fp16Tall)
 EPIFUSE_SM90_EXTERN(Fp16TallSK)
+EPIFUSE_SM90_EXTERN_AFFINE(Tf32SmallM)
+EPIFUSE_SM90_EXTERN_AFFINE(Bf16SmallM)
+EPIFUSE_SM90_EXTERN_AFFINE(Fp16SmallM)
 #undef EPIFUSE_SM90_EXTERN
+#undef EPIFUSE_SM90_EXTERN_AFFINE
 
 }  // namespace epifuse::sm90

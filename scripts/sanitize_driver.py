@@ -46,7 +46,7 @@ GEMM_SHAPES = [
     (257, 136, 64),     # ragged M (2 tiles + 1 row)
     (64, 520, 13),      # K odd: SIMT with more rows
     (33, 100, 40),      # N = 100: TMA for fp32 (4 | 100), SIMT for 16-bit (8 does not divide 100)
-    (40, 1000, 64),     # M <= 64: the transposed sm90 GEMM (z^T = w . x^T), ragged tiles
+    (40, 1000, 64),     # M <= 384: the transposed sm90 GEMM (z^T = w . x^T), ragged tiles
 ]
 GEMM_SHAPES_FULL = [
     (1536, 1536, 64),   # colstats 128x128 tiles: 144 > 132 SMs -> data-parallel kernel

@@ -21,11 +21,12 @@ KINDS = {"ieee": (torch.float32, "ieee", 2e-6), "3xtf32": (torch.float32, "3xtf3
 # (2048, 2304, 64): 144 wide tiles, more than the SMs, so Hopper's column statistics take the
 # affine kernel + fp64 pass plan; (2100, 2304, 64) too, with a row count that leaves the pass's
 # 4-rows-in-flight loop a remainder; (256, 4096, 512): the stream-K fused statistics kernel (under
-# 2^30 multiply-adds); (40, 1000, 64): a batch of <= 64 rows, the transposed GEMM (fused statistics);
-# (33, 8200, 4096): the transposed GEMM with ragged tiles, statistics as the separate pass.
+# 2^30 multiply-adds); (40, 1000, 64) and (300, 1000, 72): batches of <= 384 rows, the transposed
+# GEMM (one and five 64-column tiles, the last ragged; fused statistics); (33, 8200, 4096) and
+# (200, 8200, 1024): the transposed GEMM with ragged tiles, statistics as the separate pass.
 GEMM_SHAPES = [(1, 1, 1), (3, 17, 5), (17, 1000, 3), (1000, 3, 4097), (4097, 129, 17),
                (256, 4096, 512), (2048, 2304, 64), (2100, 2304, 64), (40, 1000, 64),
-               (33, 8200, 4096)]
+               (300, 1000, 72), (33, 8200, 4096), (200, 8200, 1024)]
 GEMM_CASES = [pytest.param(kind, s, id=f"{kind}-M{s[0]}-N{s[1]}-K{s[2]}")
               for kind in KINDS for s in GEMM_SHAPES]
 
@@ -69,7 +70,7 @@ def test_gemm_colstats(kind, shape):
 # Ragged and aligned shapes over every GEMM path: SIMT (unaligned), cuBLAS + pass (ieee), sm90
 # stream-K and data-parallel, sm80 (3xtf32; every kind under EPIFUSE_FORCE_SM80=1).
 COVERAGE_SHAPES = [(5, 3, 7), (130, 264, 72), (257, 136, 64), (33, 100, 40), (1536, 1536, 64),
-                   (2048, 2304, 64), (40, 1000, 64), (33, 8200, 4096)]
+                   (2048, 2304, 64), (40, 1000, 64), (300, 1000, 72), (33, 8200, 4096)]
 COVERAGE_CASES = [pytest.param(kind, simt, s, id=f"{kind}{'-simt' if simt else ''}-M{s[0]}-N{s[1]}-K{s[2]}")
                   for kind in KINDS for simt in ((False, True) if kind == "ieee" else (False,))
                   for s in COVERAGE_SHAPES]

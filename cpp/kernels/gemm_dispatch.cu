@@ -2,8 +2,8 @@
 //
 //   Hopper (sm_90), TF32 or 16-bit math, 16-byte aligned rows (K, N, leading dimensions and base
 //   pointers):       one CUTLASS sm90 GEMM (TMA + wgmma) with the epilogue fused (epilogues.hpp);
-//                    stream-K when the output tiles cannot fill the SMs; batches of <= 64 rows
-//                    as the transposed GEMM z^T = w . x^T (small_batch). Column statistics of
+//                    stream-K when the output tiles cannot fill the SMs; batches of <= 384
+//                    rows as the transposed GEMM z^T = w . x^T (small_batch). Column statistics of
 //                    all but the smallest GEMMs: the affine kernel stores z, an fp64 pass sums
 //                    it (see stats_as_separate_pass).
 //   sm_80 and later otherwise (A100, Ada, and Hopper for 3xTF32, which has no wgmma form, or when
@@ -89,9 +89,14 @@ bool prefer_stream_k(const GemmProblem& p, Epilogue e, int sms) {
   return tiles < sms;
 }
 
-// Batches of at most this many rows run the transposed GEMM (sm90_gemm_configs.hpp, SmallM): a
-// 128-row tile would be mostly padding, 8x the useful TF32 math at M = 16.
-constexpr int64_t kSmallBatchRows = 64;
+// Batches of at most this many rows run the transposed GEMM (sm90_gemm_configs.hpp, SmallM). Below
+// 128 rows the 128x256 tile is mostly padding (8x the useful TF32 math at M = 16); up to a few
+// hundred rows its 128 tiles or fewer leave stream-K to split the K loop into many partial tiles,
+// where the transposed 128x64 tiles are more, smaller units. Measured on an H200 with problem 84's
+// weights (8192x8192), affine GEMM in us, 128x256 / transposed:
+//   TF32  M = 96: 133 / 92,  128: 133 / 85,  192: 133 / 108,  256: 137 / 125,  384: 205 / 198
+//   bf16  M = 96:  76 / 55,  128:  75 / 51,  192:  73 /  66,  256:  75 /  68,  384: 105 /  98
+constexpr int64_t kSmallBatchRows = 384;
 
 bool small_batch(const GemmProblem& p) { return p.M <= kSmallBatchRows; }
 

@@ -27,9 +27,9 @@ using namespace cute;
 // cutlass::gemm::StreamKScheduler (splits the K loop across CTAs when there are too few tiles to
 // fill the GPU; CUTLASS's heuristic falls back to data-parallel when they do).
 // Transposed: the kernel computes z^T = w . x^T, i.e. D'[n, m] stored column-major, which is z
-// row-major. wgmma tiles are at least 64 rows tall, so a batch of M <= 64 rows would fill a
-// 128-row tile with 128 - M rows of padding (8x the useful TF32 math at M = 16, more than the time
-// it takes to stream w); transposed, the batch is the tile's N extent and the weight's rows fill M.
+// row-major. A small batch would fill a 128-row tile with 128 - M rows of padding (8x the useful
+// TF32 math at M = 16, more than the time it takes to stream w); transposed, the batch is the
+// tile's N extent (padded to 64) and the weight's rows fill M (gemm_dispatch.cu, small_batch).
 template <class ElementIn_, class TileShape_, class ClusterShape_, class Scheduler_,
           bool kTransposed_ = false>
 struct TileConfig {

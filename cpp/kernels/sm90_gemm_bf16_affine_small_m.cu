@@ -1,5 +1,5 @@
-// Instantiates the bf16 Hopper GEMM for batches of at most 64 rows (transposed, stream-K) with the
-// per-column affine epilogue.
+// Instantiates the bf16 Hopper GEMM for small batches (transposed, stream-K; see small_batch in
+// gemm_dispatch.cu) with the per-column affine epilogue.
 #include "sm90_gemm_configs.hpp"
 
 namespace epifuse::sm90 {

@@ -49,9 +49,11 @@ GEMM_SHAPES = [
     (40, 1000, 64),     # M <= 384: the transposed sm90 GEMM (z^T = w . x^T), ragged tiles
 ]
 GEMM_SHAPES_FULL = [
-    (1536, 1536, 64),   # colstats 128x128 tiles: 144 > 132 SMs -> data-parallel kernel
-    (1536, 3072, 32),   # affine 128x256 tiles: 144 -> data-parallel kernel
-    (64, 4096, 4096),   # transposed GEMM, 2^30 multiply-adds: statistics as the separate pass
+    (1536, 1536, 64),   # training: 12 x 6 transposed 128x256 tiles -> stream-K kernel
+    (1536, 3072, 32),   # affine 128x256 tiles: 144 -> data-parallel kernel; training: 24 x 6 = 144
+                        # transposed tiles -> data-parallel kernel, 6 partials per column
+    (1030, 4104, 64),   # training: 33 x 5 transposed tiles, ragged both ways (data-parallel)
+    (64, 4096, 4096),   # transposed small-batch GEMM, 2^30 multiply-adds, both epilogues
 ]
 # (300, 12288) and (300, 20000): more rows than resident blocks, so the staged softmax kernels go
 # round their persistent loop (shared-memory stages reused) several times.

@@ -18,14 +18,13 @@ CUDA = torch.device("cuda")
 KINDS = {"ieee": (torch.float32, "ieee", 2e-6), "3xtf32": (torch.float32, "3xtf32", 4e-6),
          "tf32": (torch.float32, "tf32", 2e-3),
          "fp16": (torch.float16, "", 2e-3), "bf16": (torch.bfloat16, "", 1e-2)}
-# (2048, 2304, 64): 144 wide tiles, more than the SMs, so Hopper's column statistics take the
-# affine kernel + fp64 pass plan; (2100, 2304, 64) too, with a row count that leaves the pass's
-# 4-rows-in-flight loop a remainder; (256, 4096, 512): the stream-K fused statistics kernel (under
-# 2^30 multiply-adds); (40, 1000, 64) and (300, 1000, 72): batches of <= 384 rows, the transposed
-# GEMM (one and five 64-column tiles, the last ragged; fused statistics); (33, 8200, 4096) and
-# (200, 8200, 1024): the transposed GEMM with ragged tiles, statistics as the separate pass.
+# Hopper paths: (512, 4096, 512) stream-K (eval 4 x 16 tiles of 128x256, training 32 x 2 transposed
+# tiles); (2048, 2304, 64) and (2100, 2304, 64): data-parallel 128x256 tiles in both forms (training:
+# 18 x 8-9 transposed tiles, 8-9 partials per column; 2100 rows leave a ragged batch tile);
+# (256, 4096, 512), (40, 1000, 64), (300, 1000, 72), (33, 8200, 4096) and (200, 8200, 1024): batches
+# of <= 384 rows, the transposed 128x64 tiles (one to five batch tiles, ragged) for both epilogues.
 GEMM_SHAPES = [(1, 1, 1), (3, 17, 5), (17, 1000, 3), (1000, 3, 4097), (4097, 129, 17),
-               (256, 4096, 512), (2048, 2304, 64), (2100, 2304, 64), (40, 1000, 64),
+               (256, 4096, 512), (512, 4096, 512), (2048, 2304, 64), (2100, 2304, 64), (40, 1000, 64),
                (300, 1000, 72), (33, 8200, 4096), (200, 8200, 1024)]
 GEMM_CASES = [pytest.param(kind, s, id=f"{kind}-M{s[0]}-N{s[1]}-K{s[2]}")
               for kind in KINDS for s in GEMM_SHAPES]
@@ -65,6 +64,29 @@ def test_gemm_colstats(kind, shape):
                                                4e-3 if dtype == torch.bfloat16 else 5e-4)
     assert rel_err(colsum, z64.sum(0)) <= sum_tol
     assert rel_err(colsumsq, (z64 ** 2).sum(0)) <= sum_tol
+
+
+# Column statistics are sums of the GEMM's fp32 accumulator, which for fp32 inputs is the stored z:
+# whichever kernel sums it (fused epilogue or portable pass), the fp64 sums must be those of z itself,
+# and the variance derived from them must survive columns whose mean dwarfs their spread (x + 100:
+# |mean| / std ~ 1e3, where E[z^2] - E[z]^2 cancels ~6 digits that fp32 sums would not have).
+# Shapes: transposed 128x256 tiles data-parallel (ragged batch tile), the same with stream-K (twice,
+# the second ragged in both directions), and the small-batch 128x64 tiles (ragged).
+STATS_SHAPES = [(2100, 2304, 64), (512, 2048, 128), (1030, 264, 64), (300, 1000, 72)]
+
+
+@pytest.mark.parametrize("shape", STATS_SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in STATS_SHAPES])
+def test_gemm_colstats_sums_the_accumulator_exactly(shape):
+    m, n, k = shape
+    x, w = _gemm_inputs(m, n, k, torch.float32)
+    z, colsum, colsumsq = ops.gemm_colstats(x + 100, w, "tf32")
+    z64 = z.double()
+    assert rel_err(colsum, z64.sum(0)) <= 1e-12
+    assert rel_err(colsumsq, (z64 * z64).sum(0)) <= 1e-12
+    mean = colsum / m
+    var = colsumsq / m - mean * mean
+    assert (z64.mean(0).abs() / z64.std(0)).median() > 100  # the cancellation is really there
+    assert rel_err(var, z64.var(0, unbiased=False)) <= 1e-6
 
 
 # Ragged and aligned shapes over every GEMM path: SIMT (unaligned), cuBLAS + pass (ieee), sm90

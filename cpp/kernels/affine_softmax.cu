@@ -3,9 +3,9 @@
 // Bandwidth-bound: every element is read once and written once, and a row's max and sum must be
 // known before its first output, so what limits the pass is how many rows each SM has in flight.
 // Three kernels, picked by row width (launch() below; kVec = elements per 16 bytes):
-//  - rows_in_registers, N <= 512 kVec (2048 fp32): 4..256 threads per row, one or two 16-byte
-//    vectors per thread, several rows per 256-thread block: many small independent rows per SM.
-//  - rows_staged, N <= 8192 kVec: one row per block (256..1024 threads), persistent over rows; the
+//  - rows_in_registers, N <= 128 kVec (512 fp32): 4..32 lanes per row, one to four 16-byte vectors
+//    per thread, several rows per block: many small independent rows per SM.
+//  - rows_staged, N <= 8192 kVec: one row per block (32..1024 threads), persistent over rows; the
 //    next row is copied into shared memory with cp.async while the current one is reduced, so the
 //    loads of one row overlap the reductions and stores of the previous one. Rows up to 4096 kVec
 //    also keep their values in registers; wider ones are re-read from shared memory in each pass.
@@ -108,11 +108,11 @@ __device__ __forceinline__ void store_scaled(T* dst, const float* e, float inv_s
 // kThreadsPerRow threads own one row (4..32 lanes of a warp, or 2..32 whole warps); each thread
 // holds kElems elements in kElems / kVec vectors,
 // vector i of thread t covering columns (i * kThreadsPerRow + t) * kVec + [0, kVec).
-template <class T, int kVec, int kElems, int kThreadsPerRow>
-__global__ void __launch_bounds__(kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock)
+template <class T, int kVec, int kElems, int kThreadsPerRow, int kBlock>
+__global__ void __launch_bounds__(kBlock)
 rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
                   const float* __restrict__ a, const float* __restrict__ c) {
-  constexpr int kBlock = kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock;
+  static_assert(kBlock % kThreadsPerRow == 0, "a block holds whole rows");
   constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
   constexpr int kWarpsPerRow = kThreadsPerRow >= 32 ? kThreadsPerRow / 32 : 1;
   constexpr int kLanes = kThreadsPerRow >= 32 ? 32 : kThreadsPerRow;  // shuffle width
@@ -146,17 +146,14 @@ rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int6
   const float row_max = row_combine<kWarpsPerRow, true>(lanes_max<kLanes>(thread_max), row_slots,
                                                         warp_in_row);
 
+  // Columns past N hold -inf and contribute exp(-inf) = 0. No per-element test on purpose: the
+  // compiler turned one into a branch around every exp, which cost 3-12% of the bandwidth (H200).
+  // A row of -inf (row_max = -inf) gives NaN in every column, padding or not, as torch does.
   float thread_sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < kVecsPerThread; ++i) {
-    const int64_t col0 = (int64_t(i) * kThreadsPerRow + t) * kVec;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      // Columns past N hold -inf; exclude them explicitly so an all -inf row yields NaN like torch.
-      const float e = (col0 < N) ? softmax_exp<T>(vals[i * kVec + j] - row_max) : 0.f;
-      vals[i * kVec + j] = e;
-      thread_sum += e;
-    }
+  for (int k = 0; k < kElems; ++k) {
+    vals[k] = softmax_exp<T>(vals[k] - row_max);
+    thread_sum += vals[k];
   }
   row_slots = slots[1] + row_in_block * kWarpsPerRow;
   const float row_sum = row_combine<kWarpsPerRow, false>(lanes_sum<kLanes>(thread_sum), row_slots,
@@ -342,12 +339,13 @@ struct RowsArgs {
   cudaStream_t stream;
 };
 
-template <class T, int kVec, int kElems, int kThreadsPerRow>
+// kBlock: threads per block (default: 256, or one row if wider).
+template <class T, int kVec, int kElems, int kThreadsPerRow,
+          int kBlock = (kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock)>
 void launch_in_registers(const RowsArgs& r) {
-  constexpr int kBlock = kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock;
   constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
   const int64_t blocks = (r.M + kRowsPerBlock - 1) / kRowsPerBlock;
-  rows_in_registers<T, kVec, kElems, kThreadsPerRow><<<dim3(unsigned(blocks)), kBlock, 0, r.stream>>>(
+  rows_in_registers<T, kVec, kElems, kThreadsPerRow, kBlock><<<dim3(unsigned(blocks)), kBlock, 0, r.stream>>>(
       r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<T*>(r.out), r.ld_out, r.a, r.c);
 }
 
@@ -393,24 +391,30 @@ bool launch_staged(const RowsArgs& r) {
   return true;
 }
 
-// 16-byte vectors (kVec elements). Measured on an H100 (scratch sweep over N = 1024 .. 65536):
-// one or two vectors per thread beat a warp holding the whole row up to 512 kVec; beyond that only
-// overlapping consecutive rows (rows_staged) keeps the memory system busy.
+// 16-byte vectors (kVec elements). Each width takes the fastest of ~90 candidate kernels measured
+// on an H200 (64 MiB per input, inputs rotated; % of the 4.25 TB/s copy bandwidth):
+//  - up to 128 vectors: one warp (or 4..16 lanes) per row holding 1, 2 or 4 vectors per thread, in
+//    64..256-thread blocks (85-90% for rows of up to 2 KiB, fp32 and bf16 alike);
+//  - wider: one row per block on a persistent grid, the next rows staged with cp.async (78-84%);
+//    narrow blocks with more vectors per thread and deeper staging won up to 1024 vectors, and fp32
+//    and 16-bit rows of the same bytes prefer different shapes from 256 vectors up.
 template <class T>
 void launch_vectorized(const RowsArgs& r) {
   constexpr int kVec = Vec16<T>::kSize;
+  constexpr bool k16Bit = sizeof(T) == 2;
   const int64_t vecs = r.N / kVec;
-  // 4..32 lanes per row, one vector each; then 1..8 warps per row with two vectors each.
   if (vecs <= 4) return launch_in_registers<T, kVec, kVec, 4>(r);
   if (vecs <= 8) return launch_in_registers<T, kVec, kVec, 8>(r);
   if (vecs <= 16) return launch_in_registers<T, kVec, kVec, 16>(r);
-  if (vecs <= 32) return launch_in_registers<T, kVec, kVec, 32>(r);
-  if (vecs <= 64) return launch_in_registers<T, kVec, 2 * kVec, 32>(r);
-  if (vecs <= 128) return launch_in_registers<T, kVec, 2 * kVec, 64>(r);
-  if (vecs <= 256) return launch_in_registers<T, kVec, 2 * kVec, 128>(r);
-  if (vecs <= 512) return launch_in_registers<T, kVec, 2 * kVec, 256>(r);
-  // One row per block, 4 vectors per thread in registers, the next row staged.
-  if (vecs <= 1024 && launch_staged<T, 256, 4, 2, true>(r)) return;
+  if (vecs <= 32) return launch_in_registers<T, kVec, kVec, 32, 128>(r);
+  if (vecs <= 64) return launch_in_registers<T, kVec, 2 * kVec, 32, 128>(r);
+  if (vecs <= 128) return launch_in_registers<T, kVec, 4 * kVec, 32, 64>(r);
+  // One row per block; <threads, vectors per thread in registers, rows in flight>.
+  if (vecs <= 256 && (k16Bit ? launch_staged<T, 128, 2, 4, true>(r)
+                             : launch_staged<T, 32, 8, 2, true>(r))) return;
+  if (vecs <= 512 && launch_staged<T, 128, 4, 2, true>(r)) return;
+  if (vecs <= 1024 && (k16Bit ? launch_staged<T, 512, 2, 2, true>(r)
+                              : launch_staged<T, 256, 4, 2, true>(r))) return;
   if (vecs <= 2048 && launch_staged<T, 512, 4, 2, true>(r)) return;
   if (vecs <= 4096 && launch_staged<T, 1024, 4, 2, true>(r)) return;
   // Rows of up to 128 KiB live in shared memory alone (one stage: no overlap between rows).

@@ -76,22 +76,7 @@ void launch(int64_t M, int64_t N, T* z, int64_t ld, const float* a, const float*
   column_affine_kernel<T, kVec><<<grid, threads, 0, stream>>>(M, N, z, ld, a, c, rows_per_block);
 }
 
-__global__ void identity_affine_kernel(int64_t N, float* a, float* c) {
-  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N;
-       n += int64_t(gridDim.x) * blockDim.x) {
-    a[n] = 1.f;
-    c[n] = 0.f;
-  }
-}
-
 }  // namespace
-
-void fallback::identity_affine(int64_t N, float* a, float* c, cudaStream_t stream) {
-  if (N == 0) return;
-  const int64_t blocks = std::min<int64_t>((N + 255) / 256, 1024);
-  identity_affine_kernel<<<unsigned(blocks), 256, 0, stream>>>(N, a, c);
-  check_launch("identity_affine");
-}
 
 void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
                    const float* c, cudaStream_t stream) {

@@ -1,6 +1,5 @@
-// Per-column sum and sum of squares of a stored [M, N] matrix, in fp64. Used by the portable GEMM
-// path, and on Hopper by all but small training-mode GEMMs (the affine kernel stores z, this pass
-// sums it; see gemm_dispatch.cu, stats_as_separate_pass).
+// Per-column sum and sum of squares of a stored [M, N] matrix, in fp64: the training statistics of
+// the portable GEMM path (IEEE fp32, unaligned rows), which stores z and then sums it.
 //
 // A block owns a band of 32 adjacent columns and strides over all the rows, so each column is
 // reduced by one block in a fixed order: results are deterministic. 1024-thread blocks while the

@@ -3,9 +3,10 @@
 // The GEMM computes the fp32 accumulator acc[m, n] = sum_k x[m, k] * w[n, k]. Everything the head
 // does after the Linear layer is per column, so it is one of two trees over acc:
 //
-//   PerColumnAffine   (eval mode)      D = a[n] * acc + c[n]
-//                     (PerColumnAffineTransposed: the same for the small-batch GEMM z^T = w . x^T)
-//   ColumnStatistics  (training mode)  D = acc,  colsum[n] += acc,  colsumsq[n] += acc^2
+//   PerColumnAffine             (eval mode)      D = a[n] * acc + c[n]
+//                               (PerColumnAffineTransposed: the same for z^T = w . x^T)
+//   ColumnStatisticsTransposed  (training mode)  D' = acc', colsum[n] += acc', colsumsq[n] += acc'^2
+//                               for z^T = w . x^T, the form every Hopper training GEMM takes
 //
 // Training needs the batch statistics before the affine can be folded, so it stores acc and a
 // later bandwidth-bound pass applies (a, c). The statistics are reduced in fp64: when a column's
@@ -59,7 +60,7 @@ using PerColumnAffineTransposed =
                     fusion::Sm90AccFetch,        // acc' = acc^T
                     RowVector<CtaTileShapeMNK>>; // c[n]
 
-// ---- training: D = acc, per-column sum and sum of squares in fp64 -----------------------------
+// ---- training: building blocks of the statistics tree ------------------------------------------
 
 // Register-level step of the sum of squares: r += x * x (the shuffle/smem/gmem steps are plain sums).
 template <class T>
@@ -67,7 +68,7 @@ struct AccumulateSquare {
   CUTLASS_HOST_DEVICE T operator()(T const& running, T const& x) const { return running + x * x; }
 };
 
-// Keeps the first operand: the root of ColumnStatistics stores acc and discards the pass-through
+// Keeps the first operand: the root of the statistics tree stores acc and discards the pass-through
 // value of the sum-of-squares branch (each reduction node returns its input unchanged).
 template <class T>
 struct FirstOperand {
@@ -79,27 +80,34 @@ using AccumulatorAsDouble =
     fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, double, float, kRound>,
                     fusion::Sm90AccFetch>;
 
-// Per-column reduction over the rows of the problem, fp64, reduced to [N] in a final
-// deterministic pass by the last CTA of each column tile (FinalReduction = true).
-// VisitCheckOOB = false: rows past M are zero-filled by TMA, so they add 0 to both sums and need
-// no per-element bounds check (which costs registers and instructions in the hot epilogue loop).
+
+// ---- training, transposed GEMM: D'[n, m] = acc'[n, m], per-row (= per-column of z) fp64 sums ----
+// The head's columns are the rows of the transposed kernel's tile, so the statistics reduce along
+// the tile's N extent. In the wgmma accumulator layout a thread holds 2 rows of each 16-row slab,
+// and the 4 lanes that share a row combine with 2 shuffles: the running fp64 sums take 8 registers
+// per thread whatever the tile width (the untransposed tree keeps one pair per column it touches,
+// 64 columns of a 256-wide tile), so the 128x256 tiles of the affine kernel can carry them.
+// Each tile stores its partial sums (FinalReduction = false: a [tiles along N][rows rounded up to
+// the tile] fp64 buffer); sum_tile_partials (tile_partials.cu) adds them after the GEMM, in a fixed
+// order: deterministic, no atomics on the sums.
 template <template <class> class RegReduce, class CtaTileShapeMNK>
-using ColumnReduction =
-    fusion::Sm90RowReduction<RegReduce, cutlass::plus, cutlass::plus, 0, CtaTileShapeMNK,
-                             double, double, kRound, Stride<_0, _1, _0>, /*Alignment=*/2,
-                             /*EnableNullptr=*/false, /*FinalReduction=*/true,
+using RowReduction =
+    fusion::Sm90ColReduction<RegReduce, cutlass::plus, cutlass::plus, 0, CtaTileShapeMNK,
+                             double, double, kRound, Stride<_1, _0, _0>, /*Alignment=*/2,
+                             /*EnableNullptr=*/false, /*FinalReduction=*/false,
                              /*VisitCheckOOB=*/false>;
 
 template <class CtaTileShapeMNK, class ElementD>
-using ColumnStatistics = fusion::Sm90EVT<
-    fusion::Sm90Compute<FirstOperand, ElementD, float, kRound>,                                // D = acc
-    fusion::Sm90EVT<ColumnReduction<cutlass::plus, CtaTileShapeMNK>, AccumulatorAsDouble>,      // colsum
-    fusion::Sm90EVT<ColumnReduction<AccumulateSquare, CtaTileShapeMNK>, AccumulatorAsDouble>>;  // colsumsq
+using ColumnStatisticsTransposed = fusion::Sm90EVT<
+    fusion::Sm90Compute<FirstOperand, ElementD, float, kRound>,                             // D' = acc'
+    fusion::Sm90EVT<RowReduction<cutlass::plus, CtaTileShapeMNK>, AccumulatorAsDouble>,      // colsum
+    fusion::Sm90EVT<RowReduction<AccumulateSquare, CtaTileShapeMNK>, AccumulatorAsDouble>>;  // colsumsq
 
-// Arguments in the tree's order: {{{acc, widen}, colsum}, {{acc, widen}, colsumsq}, first-operand}.
+// Arguments in the tree's order: {{{acc, widen}, sums}, {{acc, widen}, sums of squares}, first
+// operand}; the pointers are the per-tile partial buffers (see RowReduction).
 template <class Fusion>
-typename Fusion::Arguments column_statistics_args(double* colsum, double* colsumsq) {
-  return {{{{}, {}}, {colsum, 0.0}}, {{{}, {}}, {colsumsq, 0.0}}, {}};
+typename Fusion::Arguments column_statistics_args(double* partial_sum, double* partial_sumsq) {
+  return {{{{}, {}}, {partial_sum, 0.0}}, {{{}, {}}, {partial_sumsq, 0.0}}, {}};
 }
 
 }  // namespace epifuse::evt

@@ -12,7 +12,4 @@ void gemm(const GemmProblem& p, cudaStream_t stream);
 void column_stats(DType dtype, int64_t M, int64_t N, const void* z, int64_t ld, double* colsum,
                   double* colsumsq, cudaStream_t stream);
 
-// a[n] = 1, c[n] = 0: the affine epilogue as an identity, to store a plain product with it.
-void identity_affine(int64_t N, float* a, float* c, cudaStream_t stream);
-
 }  // namespace epifuse::fallback

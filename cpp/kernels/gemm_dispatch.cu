@@ -2,10 +2,9 @@
 //
 //   Hopper (sm_90), TF32 or 16-bit math, 16-byte aligned rows (K, N, leading dimensions and base
 //   pointers):       one CUTLASS sm90 GEMM (TMA + wgmma) with the epilogue fused (epilogues.hpp);
-//                    stream-K when the output tiles cannot fill the SMs; batches of <= 384
-//                    rows as the transposed GEMM z^T = w . x^T (small_batch). Column statistics of
-//                    all but the smallest GEMMs: the affine kernel stores z, an fp64 pass sums
-//                    it (see stats_as_separate_pass).
+//                    eval as z = x . w^T, training as z^T = w . x^T (per-column statistics become
+//                    per-row reductions of the tile); stream-K when the output tiles cannot fill the
+//                    SMs; batches of <= 384 rows transposed with narrow tiles (small_batch).
 //   sm_80 and later otherwise (A100, Ada, and Hopper for 3xTF32, which has no wgmma form, or when
 //   EPIFUSE_FORCE_SM80=1), same alignment: one CUTLASS 2.x GEMM (cp.async + mma.sync) with the
 //                    epilogue fused (sm80_epilogues.hpp); its stream-K schedule sizes itself.
@@ -16,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "cuda_utils.cuh"
 #include "fallback.hpp"
@@ -81,12 +81,10 @@ Plan choose_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops, 
 
 #if EPIFUSE_HAVE_SM90
 // Stream-K pays for its partial-tile fix-up only when data-parallel tiles cannot fill the GPU:
-// e.g. problem 84 at M <= 512 has at most 128 tiles of 128x256 for 132 SMs.
-bool prefer_stream_k(const GemmProblem& p, Epilogue e, int sms) {
-  const bool affine = e == Epilogue::kAffine;  // 128x256 tiles; column statistics: 256x64
-  const int64_t tile_m = affine ? 128 : 256, tile_n = affine ? 256 : 64;
-  const int64_t tiles = ((p.M + tile_m - 1) / tile_m) * ((p.N + tile_n - 1) / tile_n);
-  return tiles < sms;
+// e.g. problem 84 at M <= 512 has at most 128 tiles of 128x256 for 132 SMs. The output is
+// rows x cols (z, or z^T for a transposed kernel), cut into tile_m x tile_n tiles.
+bool prefer_stream_k(int64_t rows, int64_t cols, int64_t tile_m, int64_t tile_n, int sms) {
+  return ((rows + tile_m - 1) / tile_m) * ((cols + tile_n - 1) / tile_n) < sms;
 }
 
 // Batches of at most this many rows run the transposed GEMM (sm90_gemm_configs.hpp, SmallM). Below
@@ -100,53 +98,73 @@ constexpr int64_t kSmallBatchRows = 384;
 
 bool small_batch(const GemmProblem& p) { return p.M <= kSmallBatchRows; }
 
-// Calls fn(Config) with the tile configuration of a Hopper plan.
-template <class Wide, class WideSK, class SmallM, class Tall, class TallSK, class Fn>
-void pick_config(const GemmProblem& p, Epilogue e, bool stream_k, Fn&& fn) {
+// The Hopper configurations of one input type (sm90_gemm_configs.hpp).
+template <class Wide_, class WideSK_, class WideTransposed_, class WideTransposedSK_, class SmallM_>
+struct Sm90Configs {
+  using Wide = Wide_;
+  using WideSK = WideSK_;
+  using WideTransposed = WideTransposed_;
+  using WideTransposedSK = WideTransposedSK_;
+  using SmallM = SmallM_;
+};
+
+// The epilogue as a type, so that a configuration is only ever paired with an epilogue it is
+// instantiated for (sm90_gemm_configs.hpp).
+using AffineTag = std::integral_constant<Epilogue, Epilogue::kAffine>;
+using StatsTag = std::integral_constant<Epilogue, Epilogue::kColumnStats>;
+
+// Calls fn(Config, EpilogueTag) with the tile configuration of a Hopper problem:
+//   small batches: the transposed 128x64 tiles (both epilogues);
+//   eval:          128x256 tiles over z;
+//   training:      128x256 tiles over z^T (sm90_gemm_configs.hpp says why and what it measured);
+// each with stream-K when its tiles are fewer than the SMs.
+template <class Configs, class Fn>
+void pick_config(const GemmProblem& p, Epilogue e, int sms, Fn&& fn) {
   if (e == Epilogue::kAffine) {
-    if (small_batch(p)) return fn(SmallM{});
-    if (stream_k) return fn(WideSK{});
-    return fn(Wide{});
+    if (small_batch(p)) return fn(typename Configs::SmallM{}, AffineTag{});
+    if (prefer_stream_k(p.M, p.N, 128, 256, sms)) return fn(typename Configs::WideSK{}, AffineTag{});
+    return fn(typename Configs::Wide{}, AffineTag{});
   }
-  if (stream_k) return fn(TallSK{});
-  return fn(Tall{});
+  if (small_batch(p)) return fn(typename Configs::SmallM{}, StatsTag{});
+  if (prefer_stream_k(p.N, p.M, 128, 256, sms))
+    return fn(typename Configs::WideTransposedSK{}, StatsTag{});
+  return fn(typename Configs::WideTransposed{}, StatsTag{});
 }
 
 template <class Fn>
 void with_sm90_config(Plan plan, const GemmProblem& p, Epilogue e, int sms, Fn&& fn) {
-  const bool sk = prefer_stream_k(p, e, sms);
   using namespace sm90;
   switch (plan) {
     case Plan::kSm90Tf32:
-      return pick_config<Tf32Wide, Tf32WideSK, Tf32SmallM, Tf32Tall, Tf32TallSK>(p, e, sk, fn);
+      return pick_config<Sm90Configs<Tf32Wide, Tf32WideSK, Tf32WideTransposed, Tf32WideTransposedSK,
+                                     Tf32SmallM>>(p, e, sms, fn);
     case Plan::kSm90Bf16:
-      return pick_config<Bf16Wide, Bf16WideSK, Bf16SmallM, Bf16Tall, Bf16TallSK>(p, e, sk, fn);
+      return pick_config<Sm90Configs<Bf16Wide, Bf16WideSK, Bf16WideTransposed, Bf16WideTransposedSK,
+                                     Bf16SmallM>>(p, e, sms, fn);
     case Plan::kSm90Fp16:
-      return pick_config<Fp16Wide, Fp16WideSK, Fp16SmallM, Fp16Tall, Fp16TallSK>(p, e, sk, fn);
+      return pick_config<Sm90Configs<Fp16Wide, Fp16WideSK, Fp16WideTransposed, Fp16WideTransposedSK,
+                                     Fp16SmallM>>(p, e, sms, fn);
     default: throw std::logic_error("epifuse: not a Hopper plan");
   }
 }
 
-// Column statistics on Hopper, measured on an H100 (problem 84, BENCHMARKS.md): the fused
-// statistics epilogue keeps fp64 sums in registers, which forces 256x64 tiles, and runs at 280
-// (TF32) / 577 (bf16) TFLOP/s where the affine kernel's 128x256 tiles reach 409 / 785, and at
-// M = 16384 at 137 / 228; at M = 16 .. 512 (stream-K) it took 0.25-0.28 ms for problem 84's
-// weights where the affine kernel took 0.15-0.20. Storing z with the affine kernel (a = 1, c = 0)
-// and summing it in a separate deterministic fp64 pass costs one more read of z (~9 us at
-// 1024x8192 fp32 on an H200) and two more launches, which pays whenever the GEMM is more than a
-// few microseconds of work: 2^30 multiply-adds (problem 84 at M = 16), or a grid that fills the
-// GPU. Only small GEMMs, where launches dominate, keep the fused kernel.
-constexpr double kSeparateStatsMacs = double(1 << 30);
-
-bool stats_as_separate_pass(const GemmProblem& p, Epilogue e, int sms) {
-  if (e != Epilogue::kColumnStats) return false;
-  const double macs = double(p.M) * double(p.N) * double(p.K);
-  return macs >= kSeparateStatsMacs || !prefer_stream_k(p, Epilogue::kAffine, sms);
+template <class Config, class Tag>
+size_t sm90_workspace_bytes(const GemmProblem& p, int device, int sms) {
+  if constexpr (Tag::value == Epilogue::kAffine) {
+    return sm90::affine_workspace_bytes<Config>(p, device, sms);
+  } else {
+    return sm90::column_stats_workspace_bytes<Config>(p, device, sms);
+  }
 }
 
-// The separate-pass plan's workspace: a and c (N floats each), then the GEMM's own.
-size_t identity_vectors_bytes(const GemmProblem& p) {
-  return (2 * sizeof(float) * size_t(p.N) + 255) / 256 * 256;
+template <class Config, class Tag>
+void sm90_run(const GemmProblem& p, const EpilogueOperands& ops, void* workspace, int device,
+              int sms, cudaStream_t stream) {
+  if constexpr (Tag::value == Epilogue::kAffine) {
+    sm90::run_affine<Config>(p, ops, workspace, device, sms, stream);
+  } else {
+    sm90::run_column_stats<Config>(p, ops, workspace, device, sms, stream);
+  }
 }
 #endif
 
@@ -196,16 +214,8 @@ size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int cc_major, int 
   if (is_sm90_plan(plan)) {
     const int device = current_device();
     const int sms = sm_count(device);
-    if (stats_as_separate_pass(p, e, sms))
-      return identity_vectors_bytes(p) + gemm_workspace_bytes(p, Epilogue::kAffine, cc_major, cc_minor);
-    with_sm90_config(plan, p, e, sms, [&](auto cfg) {
-      using Config = decltype(cfg);
-      if constexpr (Config::kTransposed) {  // affine only (statistics: separate pass, above)
-        bytes = sm90::affine_workspace_bytes<Config>(p, device, sms);
-      } else {
-        bytes = e == Epilogue::kAffine ? sm90::affine_workspace_bytes<Config>(p, device, sms)
-                                       : sm90::column_stats_workspace_bytes<Config>(p, device, sms);
-      }
+    with_sm90_config(plan, p, e, sms, [&](auto cfg, auto tag) {
+      bytes = sm90_workspace_bytes<decltype(cfg), decltype(tag)>(p, device, sms);
     });
     return bytes;
   }
@@ -251,28 +261,8 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
 #if EPIFUSE_HAVE_SM90
   if (is_sm90_plan(plan)) {
     const int sms = sm_count(device);
-    if (stats_as_separate_pass(p, e, sms)) {
-      float* ones = static_cast<float*>(workspace);
-      float* zeros = ones + p.N;
-      fallback::identity_affine(p.N, ones, zeros, stream);
-      EpilogueOperands identity;
-      identity.a = ones;
-      identity.c = zeros;
-      gemm_run(p, Epilogue::kAffine, identity,
-               static_cast<char*>(workspace) + identity_vectors_bytes(p), device, cc_major,
-               cc_minor, stream);
-      epilogue_pass(p, e, ops, stream);
-      return;
-    }
-    with_sm90_config(plan, p, e, sms, [&](auto cfg) {
-      using Config = decltype(cfg);
-      if constexpr (Config::kTransposed) {  // affine only (statistics: separate pass, above)
-        sm90::run_affine<Config>(p, ops, workspace, device, sms, stream);
-      } else if (e == Epilogue::kAffine) {
-        sm90::run_affine<Config>(p, ops, workspace, device, sms, stream);
-      } else {
-        sm90::run_column_stats<Config>(p, ops, workspace, device, sms, stream);
-      }
+    with_sm90_config(plan, p, e, sms, [&](auto cfg, auto tag) {
+      sm90_run<decltype(cfg), decltype(tag)>(p, ops, workspace, device, sms, stream);
     });
     return;
   }

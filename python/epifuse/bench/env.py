@@ -13,6 +13,10 @@ import torch
 
 
 def _git_commit() -> str | None:
+    # A checkout copied without its .git (e.g. to a remote GPU machine) names its commit here.
+    given = os.environ.get("EPIFUSE_GIT_COMMIT")
+    if given:
+        return given
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],

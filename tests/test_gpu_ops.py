@@ -207,6 +207,39 @@ def test_affine_softmax(dtype_id, n, affine):
     assert rel_err(inplace, expected) <= SOFTMAX_TOL[dtype]
 
 
+# Every kernel boundary of the vectorized dispatch (launch_vectorized): rows of exactly b vectors
+# and of b + 1 (the next kernel, its last vectors padding). Padding holds -inf and must contribute
+# exp(-inf) = 0 with no per-element test in the kernel; -inf entries must give 0 and a row of -inf
+# must give NaN in every column, as torch.softmax does.
+VEC_BOUNDARIES = [4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+BOUNDARY_CASES = [pytest.param(d, v, id=f"{d}-vecs{v}")
+                  for d in DTYPES for b in VEC_BOUNDARIES for v in (b, b + 1)]
+
+
+@pytest.mark.parametrize("dtype_id,vecs", BOUNDARY_CASES)
+def test_affine_softmax_kernel_boundaries(dtype_id, vecs):
+    dtype = DTYPES[dtype_id]
+    n = vecs * (16 // torch.empty((), dtype=dtype).element_size())
+    g = torch.Generator(device=CUDA).manual_seed(vecs)
+    z = (torch.randn(300, n, device=CUDA, generator=g) * 3).to(dtype)
+    z[::7, ::5] = float("-inf")
+    z[11] = float("-inf")
+    a = torch.rand(n, device=CUDA, generator=g) + 0.5
+    c = torch.randn(n, device=CUDA, generator=g)
+    for aa, cc in ((None, None), (a, c)):
+        expected = torch.softmax(ops._affine64(z, aa, cc), dim=1)
+        y = ops.affine_softmax(z, aa, cc)
+        assert torch.isnan(y[11]).all()
+        finite = torch.ones(300, dtype=torch.bool, device=CUDA)
+        finite[11] = False
+        assert not torch.isnan(y[finite]).any()
+        assert (y[::7, ::5] == 0).all()  # the -inf entries (rows 0, 7, ...; not row 11)
+        assert rel_err(y[finite], expected[finite]) <= SOFTMAX_TOL[dtype]
+        inplace = z.clone()
+        ops.affine_softmax_(inplace, aa, cc)
+        assert torch.equal(torch.nan_to_num(inplace), torch.nan_to_num(y))
+
+
 # Many rows: the wide-row kernels run on a persistent grid and stage the next row while reducing the
 # current one, so each block must go round its loop several times (more rows than resident blocks).
 # Widths cover each kernel of affine_softmax.cu for fp32 and 16-bit rows, ragged last chunks included.

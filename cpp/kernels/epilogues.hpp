@@ -80,7 +80,6 @@ using AccumulatorAsDouble =
     fusion::Sm90EVT<fusion::Sm90Compute<cutlass::epilogue::thread::Identity, double, float, kRound>,
                     fusion::Sm90AccFetch>;
 
-
 // ---- training, transposed GEMM: D'[n, m] = acc'[n, m], per-row (= per-column of z) fp64 sums ----
 // The head's columns are the rows of the transposed kernel's tile, so the statistics reduce along
 // the tile's N extent. In the wgmma accumulator layout a thread holds 2 rows of each 16-row slab,
@@ -90,6 +89,8 @@ using AccumulatorAsDouble =
 // Each tile stores its partial sums (FinalReduction = false: a [tiles along N][rows rounded up to
 // the tile] fp64 buffer); sum_tile_partials (tile_partials.cu) adds them after the GEMM, in a fixed
 // order: deterministic, no atomics on the sums.
+// VisitCheckOOB = false: batch columns past M are zero-filled by TMA, so they add 0 to both sums and
+// need no per-element bounds check (which costs registers and instructions in the hot epilogue loop).
 template <template <class> class RegReduce, class CtaTileShapeMNK>
 using RowReduction =
     fusion::Sm90ColReduction<RegReduce, cutlass::plus, cutlass::plus, 0, CtaTileShapeMNK,

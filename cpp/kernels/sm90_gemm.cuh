@@ -163,7 +163,8 @@ void run_affine(const GemmProblem& p, const EpilogueOperands& ops, void* workspa
 }
 
 // Training: the epilogue leaves one fp64 partial per column of z (a row of the transposed kernel's
-// tile) and batch tile, in two buffers after the GEMM's own workspace; sum_tile_partials then adds
+// tile) and batch tile, in two buffers at the start of the workspace (the GEMM's own workspace follows
+// them, so running the kernel needs no second CUTLASS workspace query); sum_tile_partials then adds
 // them into colsum / colsumsq. A final reduction inside the GEMM (CUTLASS's FinalReduction: the last
 // CTA of each column block adds the other CTAs' partials once a tile counter says they are done)
 // measured 20% slower for problem 39 (16384x4096x4096 bf16, 64 partials per column, H200: 845 us
@@ -183,8 +184,7 @@ struct TilePartials {
 template <class Config>
 size_t column_stats_workspace_bytes(const GemmProblem& p, int device, int sm_count) {
   using Partials = TilePartials<Config>;
-  return Partials::align(ColumnStatsKernel<Config>::workspace_bytes(p, device, sm_count)) +
-         2 * Partials::bytes(p);
+  return 2 * Partials::bytes(p) + ColumnStatsKernel<Config>::workspace_bytes(p, device, sm_count);
 }
 
 template <class Config>
@@ -192,11 +192,13 @@ void run_column_stats(const GemmProblem& p, const EpilogueOperands& ops, void* w
                       int sm_count, cudaStream_t stream) {
   using K = ColumnStatsKernel<Config>;
   using Partials = TilePartials<Config>;
-  char* partials = static_cast<char*>(workspace) +
-                   Partials::align(K::workspace_bytes(p, device, sm_count));
-  double* psum = reinterpret_cast<double*>(partials);
-  double* psumsq = reinterpret_cast<double*>(partials + Partials::bytes(p));
-  K::run(p, evt::column_statistics_args<typename K::Fusion>(psum, psumsq), workspace, device,
+  // Workspace layout: [partial sums][partial sums of squares][the GEMM's own workspace], each part
+  // starting on a 256-byte boundary (Partials::bytes rounds up).
+  char* base = static_cast<char*>(workspace);
+  double* psum = reinterpret_cast<double*>(base);
+  double* psumsq = reinterpret_cast<double*>(base + Partials::bytes(p));
+  void* gemm_workspace = base + 2 * Partials::bytes(p);
+  K::run(p, evt::column_statistics_args<typename K::Fusion>(psum, psumsq), gemm_workspace, device,
          sm_count, stream);
   sum_tile_partials(p.N, Partials::tiles(p), Partials::stride(p), psum, psumsq, ops.colsum,
                     ops.colsumsq, stream);

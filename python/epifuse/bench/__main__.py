@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from . import chart, configs, env as envinfo, report
+from . import chart, env as envinfo, report
 from .configs import DRY_SWEEP_M, DTYPES, MODES, SWEEP_M, build_plan
 from .kernels import copy_bandwidth, softmax_point
 from .models import base_state
@@ -177,7 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         env["resumed_from"] = previous.date
         env["commands"] = [c for c in previous.commands if c] + [env["command"]]
 
-    n_soft = len(plan.softmax_dtypes) * len(plan.softmax_ns)
+    n_soft = len(plan.softmax_points)
     progress = Progress(len(plan.cases) + (1 + n_soft if n_soft else 0), enabled=args.progress)
     log = progress.write
     kb = KBReference()
@@ -228,21 +228,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             copy = copy_bandwidth(plan.copy_bytes, device, settings)
         log(f"copy bandwidth: {report.copy_line(copy)}")
         progress.advance()
-        for dt in plan.softmax_dtypes:
-            for n in plan.softmax_ns:
-                progress.start(f"softmax {dt} N={n}")
-                old = None
-                if previous:
-                    esize = configs.SOFTMAX_TORCH_DTYPES[dt].itemsize
-                    m = max(1, plan.softmax_bytes // (n * esize))
-                    old = previous.softmax.get(softmax_key(dt, n, m))
-                if old is not None:
-                    softmax.append(softmax_from_dict(old, copy.gbps))
-                else:
-                    softmax.append(softmax_point(dt, n, plan.softmax_bytes, device, settings,
-                                                 copy.gbps, log))
-                    checkpoint()
-                progress.advance()
+        for pt in plan.softmax_points:
+            progress.start(f"softmax {pt.dtype} {pt.m}x{pt.n}")
+            old = previous.softmax.get(softmax_key(pt.dtype, pt.n, pt.m)) if previous else None
+            if old is not None:
+                softmax.append(softmax_from_dict(old, copy.gbps))
+            else:
+                softmax.append(softmax_point(pt.dtype, pt.n, pt.m, device, settings, copy.gbps,
+                                             log))
+                checkpoint()
+            progress.advance()
     progress.close()
 
     if previous is not None:  # keep what an earlier run measured beyond this run's plan
@@ -252,7 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         have = {softmax_key(r.dtype, r.n, r.m) for r in softmax}
         softmax += [softmax_from_dict(d, copy.gbps if copy else None)
                     for k, d in previous.softmax.items() if k not in have]
-        softmax.sort(key=lambda r: (r.dtype != "fp32", r.dtype, r.n))
+        softmax.sort(key=lambda r: (r.dtype != "fp32", r.dtype, r.n, r.m))
         if copy is None:
             copy = previous.copy
     env["elapsed_s"] = round(time.perf_counter() - t_start, 1)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Callable, Sequence
 
 from .configs import PROBLEM_NAMES
@@ -121,11 +121,19 @@ def _softmax(plt, env, results, copy):
     fig, ax = plt.subplots(figsize=(8, 4.5))
     dtypes = list(OrderedDict.fromkeys(r.dtype for r in results))
     for d, marker in zip(dtypes, ["o", "s", "^"]):
+        rows = [r for r in results if r.dtype == d]
+        # The row-length sweep shares one input size; other points (the head's own shape) are
+        # drawn as lone markers rather than joined into the sweep's line.
+        sweep_bytes = Counter(r.nbytes for r in rows).most_common(1)[0][0]
         for impl, color in (("ours", "#1f77b4"), ("torch", "#ff7f0e")):
-            pts = [(r.n, r.gbps(impl)) for r in results if r.dtype == d and r.gbps(impl)]
+            pts = [(r.n, r.gbps(impl)) for r in rows if r.nbytes == sweep_bytes and r.gbps(impl)]
             if pts:
                 ax.plot(*zip(*pts), marker=marker, color=color, label=f"{impl} {d}",
                         linestyle="-" if d == dtypes[0] else "--")
+            for r in rows:
+                if r.nbytes != sweep_bytes and r.gbps(impl):
+                    ax.plot([r.n], [r.gbps(impl)], marker="*", markersize=10, color=color,
+                            linestyle="none", label=f"{impl} {d} {r.m}x{r.n}")
     if copy is not None and copy.gbps:
         ax.axhline(copy.gbps, color="gray", linestyle=":", label="tensor.copy_")
     ax.set_xscale("log", base=2)

@@ -133,17 +133,42 @@ class Case:
 @dataclass
 class Plan:
     cases: list[Case] = field(default_factory=list)
-    softmax_dtypes: tuple[str, ...] = ()
-    softmax_ns: tuple[int, ...] = ()
-    softmax_bytes: int = 0
+    softmax_points: list[SoftmaxPoint] = field(default_factory=list)
     copy_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class SoftmaxPoint:
+    """One softmax-alone measurement: an [m, n] input of ``dtype``."""
+
+    dtype: str
+    n: int
+    m: int
 
 
 SOFTMAX_DTYPES = ("fp32", "bf16")
 SOFTMAX_NS = tuple(2 ** i for i in range(6, 17))  # 64 ... 65536
 DRY_SOFTMAX_NS = (64, 256, 1024, 4096)
-SOFTMAX_BYTES = 64 << 20  # each softmax input is ~64 MB
+SOFTMAX_BYTES = 64 << 20  # each softmax input of the row-length sweep is ~64 MB
 DRY_SOFTMAX_BYTES = 1 << 20
+# Problem 84's own softmax ([batch, out_features] at KernelBench size), where issue #4 sets its
+# bandwidth target; the sweep's 64 MB inputs have more rows at this width.
+HEAD_SOFTMAX_SHAPE = (1024, 8192)
+DRY_HEAD_SOFTMAX_SHAPE = (32, 256)
+
+
+def softmax_points(dry: bool) -> list[SoftmaxPoint]:
+    """Per dtype: the row-length sweep at a fixed input size, plus problem 84's head shape."""
+    total = DRY_SOFTMAX_BYTES if dry else SOFTMAX_BYTES
+    head_m, head_n = DRY_HEAD_SOFTMAX_SHAPE if dry else HEAD_SOFTMAX_SHAPE
+    points = []
+    for dt in SOFTMAX_DTYPES:
+        esize = SOFTMAX_TORCH_DTYPES[dt].itemsize
+        sweep = [SoftmaxPoint(dt, n, max(1, total // (n * esize)))
+                 for n in (DRY_SOFTMAX_NS if dry else SOFTMAX_NS)]
+        head = SoftmaxPoint(dt, head_n, head_m)
+        points += sweep + ([head] if head not in sweep else [])
+    return sorted(points, key=lambda p: (SOFTMAX_DTYPES.index(p.dtype), p.n, p.m))
 COPY_BYTES = 1 << 30  # the copy-bandwidth source tensor
 DRY_COPY_BYTES = 8 << 20
 
@@ -174,12 +199,10 @@ def build_plan(problems: list[int], dtypes: list[str], modes: list[str], *, comp
                     note = "not run (sweep point; add --sweep-compile)"
                 plan.cases.append(Case(
                     shape, DTYPES[d], mode, compile=with_compile,
-                    gemm_alone=shape.problem == 84 and shape.tag == "kernelbench",
+                    gemm_alone=shape.tag == "kernelbench",
                     skip=skip, compile_note=note))
     if softmax:
-        plan.softmax_dtypes = SOFTMAX_DTYPES
-        plan.softmax_ns = DRY_SOFTMAX_NS if dry else SOFTMAX_NS
-        plan.softmax_bytes = DRY_SOFTMAX_BYTES if dry else SOFTMAX_BYTES
+        plan.softmax_points = softmax_points(dry)
         plan.copy_bytes = DRY_COPY_BYTES if dry else COPY_BYTES
     return plan
 

@@ -92,12 +92,11 @@ def copy_bandwidth(nbytes: int, device: torch.device, settings: TimingSettings) 
 
 
 @torch.no_grad()
-def softmax_point(dtype_name: str, n: int, total_bytes: int, device: torch.device,
+def softmax_point(dtype_name: str, n: int, m: int, device: torch.device,
                   settings: TimingSettings, copy_gbps: Optional[float],
                   log: Callable[[str], None]) -> SoftmaxResult:
     dtype = SOFTMAX_TORCH_DTYPES[dtype_name]
-    esize = torch.empty((), dtype=dtype).element_size()
-    m = max(1, total_bytes // (n * esize))
+    esize = dtype.itemsize
     result = SoftmaxResult(dtype_name, m, n, 2 * m * n * esize, copy_gbps=copy_gbps)
     try:
         count = rotation_count(m * n * esize, device, cap=8)

@@ -214,7 +214,7 @@ def build_tables(results, softmax, copy: Optional[CopyResult]) -> tuple[list[Tab
                             model_rows(sweep, notes), left=5))
     g = gemm_rows(results, notes)
     if g:
-        tables.append(Table("Our GEMM alone (problem 84, KernelBench shape)", GEMM_HEADERS, g,
+        tables.append(Table("Our GEMM alone (KernelBench shapes)", GEMM_HEADERS, g,
                             left=4))
     if softmax:
         title = "Row softmax: epifuse affine_softmax vs torch.softmax"

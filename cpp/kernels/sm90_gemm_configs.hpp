@@ -23,6 +23,10 @@
 //    timing each configuration with the affine epilogue):
 //    1x2 and 1x1 clusters, 256x128 tiles, ping-pong 128x128 and 64x256 tiles, raster order and
 //    swizzle 1-8 all came within 2% of, or below, the configurations here; cuBLAS ran within 2-5%.
+//  - Open lead (H100, one benchmark run, GEMM alone at problem 39's 16384x4096x4096): Tf32Wide with
+//    the affine epilogue 1.550 ms, Tf32WideTransposed with the statistics epilogue 1.461 ms, cuBLAS
+//    1.367-1.551 ms; bf16 0.721 / 0.710 / 0.691-0.693 ms. When M >> N the transposed tiling is
+//    ahead, so eval at such shapes may want a WideTransposed affine configuration: measure first.
 #pragma once
 
 #include "cutlass/bfloat16.h"

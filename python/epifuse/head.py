@@ -128,7 +128,8 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
         return f"scale shape {tuple(scale.shape)} is neither (1,) nor ({n},)"
     # Mixed devices/dtypes: the reference raises PyTorch's own error.
     dtype, device = x.dtype, x.device
-    for t in parts[2:9]:  # weight ... running_var
+    for t in (parts.weight, parts.bias, parts.gamma, parts.beta, scale, parts.running_mean,
+              parts.running_var):
         if t is not None and (t.dtype != dtype or t.device != device):
             return "parameters/buffers differ from the input in dtype or device"
     if parts.num_batches_tracked is not None and parts.num_batches_tracked.device != device:

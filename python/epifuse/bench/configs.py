@@ -169,6 +169,8 @@ def softmax_points(dry: bool) -> list[SoftmaxPoint]:
         head = SoftmaxPoint(dt, head_n, head_m)
         points += sweep + ([head] if head not in sweep else [])
     return sorted(points, key=lambda p: (SOFTMAX_DTYPES.index(p.dtype), p.n, p.m))
+
+
 COPY_BYTES = 1 << 30  # the copy-bandwidth source tensor
 DRY_COPY_BYTES = 8 << 20
 

@@ -204,3 +204,24 @@ def test_nvtx_flag_is_read_at_import():
                          check=True)
     assert out.stdout.strip() == "True"
     assert head._NVTX is (os.environ.get("EPIFUSE_NVTX") == "1")
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_parametrized_and_reassigned_parameters_are_honoured(mode, fused_on_cpu, spy):
+    """The head reads its tensors through the modules (head._parts), so a parametrized weight is
+    evaluated and a reassigned parameter is seen, as in the reference model."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    ref, new = make_pair(84, init_args(84, IN, OUT))
+    for model in (ref, new):
+        parametrize.register_parametrization(model.gemm, "weight", Doubled())
+        model.bn.bias = torch.nn.Parameter(torch.full((OUT,), 0.25))
+        model.train(mode == "train")
+    x = torch.rand(16, IN)
+    with torch.no_grad():
+        assert rel_err(new(x), ref(x)) < 1e-6
+    assert spy and spy[0] in ("gemm_colstats", "bn_fold_eval")  # the fused path ran

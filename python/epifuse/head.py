@@ -98,12 +98,12 @@ def _parts(module: nn.Module) -> _Parts:
 
 def fast_path_reason(module: nn.Module, x: Tensor) -> Optional[str]:
     """None when ``module(x)`` will take the fused path; otherwise a short reason why not."""
-    if not isinstance(x, Tensor):
-        return "input is not a tensor"
     return _reason(_parts(module), x)
 
 
 def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
+    if not isinstance(x, Tensor):
+        return "input is not a tensor"
     reason = _device_reason(x)
     if reason is not None:
         return reason
@@ -143,8 +143,6 @@ def run_head(module: nn.Module, x: Tensor, spec: HeadSpec,
     sync_group = distributed.sync_group(module)
     if sync_group is not None:  # data-parallel training with synchronized batch statistics
         return distributed.run_synced_head(module, x, spec, sync_group)
-    if not isinstance(x, Tensor):
-        return reference(module, x)
     parts = _parts(module)
     if _reason(parts, x) is not None:
         return reference(module, x)

@@ -17,7 +17,7 @@ def matmul_precision():
 
 
 @pytest.mark.parametrize("given,expected", [
-    ("ieee", "ieee"), ("highest", "ieee"), ("3xtf32", "3xtf32"), ("tf32", "tf32"), ("high", "tf32"),
+    ("ieee", "ieee"), ("highest", "3xtf32"), ("3xtf32", "3xtf32"), ("tf32", "tf32"), ("high", "tf32"),
     ("medium", "tf32"),
 ])
 def test_explicit_precision_for_float32(given, expected, matmul_precision):
@@ -28,7 +28,7 @@ def test_explicit_precision_for_float32(given, expected, matmul_precision):
 
 
 @pytest.mark.parametrize("torch_setting,expected", [
-    ("highest", "ieee"), ("high", "tf32"), ("medium", "tf32"),
+    ("highest", "3xtf32"), ("high", "tf32"), ("medium", "tf32"),
 ])
 def test_none_follows_torch(torch_setting, expected, matmul_precision):
     matmul_precision(torch_setting)

@@ -42,9 +42,11 @@ using PerColumnAffine =
                     ColumnVector<CtaTileShapeMNK>>; // c[n]
 
 // Arguments in the tree's order: {a, acc, c, multiply_add}; the same for the transposed tree.
+// A null a or c broadcasts its default instead (a = 1, c = 0): with both null the tree stores the
+// plain product (the backward's dX and dW GEMMs).
 template <class Fusion>
 typename Fusion::Arguments per_column_affine_args(const float* a, const float* c) {
-  return {{a}, {}, {c}, {}};
+  return {{a, 1.f}, {}, {c, 0.f}, {}};
 }
 
 // ---- eval, transposed GEMM: D'[n, m] = a[n] * acc'[n, m] + c[n] ---------------------------------

@@ -1,15 +1,21 @@
 // Chooses the kernel sequence for a GEMM + epilogue problem. The only place with shape heuristics.
 //
+//   Hopper (sm_90), 3xTF32 math (fp32 accuracy), 16-byte aligned output rows: the operands split
+//                    into TF32 hi/lo parts (split_tf32.cu; the weight's split may come cached), then
+//                    the same GEMMs with the 3xTF32 mainloop (sm90_mainloop_3xtf32.hpp), 128x128 tiles.
 //   Hopper (sm_90), TF32 or 16-bit math, 16-byte aligned rows (K, N, leading dimensions and base
 //   pointers):       one CUTLASS sm90 GEMM (TMA + wgmma) with the epilogue fused (epilogues.hpp);
 //                    eval as z = x . w^T, training as z^T = w . x^T (per-column statistics become
 //                    per-row reductions of the tile); stream-K when the output tiles cannot fill the
 //                    SMs; batches of <= 384 rows transposed with narrow tiles (small_batch).
-//   sm_80 and later otherwise (A100, Ada, and Hopper for 3xTF32, which has no wgmma form, or when
-//   EPIFUSE_FORCE_SM80=1), same alignment: one CUTLASS 2.x GEMM (cp.async + mma.sync) with the
+//   sm_80 and later otherwise (A100, Ada, or Hopper when EPIFUSE_FORCE_SM80=1), same alignment:
+//                    one CUTLASS 2.x GEMM (cp.async + mma.sync) with the
 //                    epilogue fused (sm80_epilogues.hpp); its stream-K schedule sizes itself.
-//   Anything else (IEEE fp32, ragged alignment): the portable SIMT GEMM writing z, then the
-//                    epilogue as a separate pass (column_stats.cu / column_affine.cu).
+//   IEEE fp32, and 3xTF32 with few rows (the GEMM is bound by reading the weight, and the split
+//   would double the bytes read): cuBLAS's SGEMM, run by the op layer (gemm_uses_host_sgemm), then
+//                    the epilogue as a separate pass.
+//   Anything else (ragged alignment, or IEEE without the op layer): the portable SIMT GEMM writing
+//                    z, then the epilogue as a separate pass (column_stats.cu / column_affine.cu).
 #include <array>
 #include <climits>
 #include <cstdlib>
@@ -21,6 +27,7 @@
 #include "fallback.hpp"
 #include "nonfinite_rows.hpp"
 #include "sm80_gemm_configs.hpp"
+#include "split_tf32.hpp"
 #if EPIFUSE_HAVE_SM90
 #include "sm90_gemm_configs.hpp"
 #endif
@@ -33,25 +40,36 @@ namespace epifuse {
 namespace {
 
 enum class Plan {
-  kEmpty, kFallback,
-  kSm90Tf32, kSm90Bf16, kSm90Fp16,
+  kEmpty, kFallback, kHostSgemm,
+  kSm90Tf32, kSm90Bf16, kSm90Fp16, kSm90Split3xTf32,
   kSm80Tf32, kSm80Fast3xTf32, kSm80Bf16, kSm80Fp16,
 };
 
-[[maybe_unused]] bool is_sm90_plan(Plan p) { return p == Plan::kSm90Tf32 || p == Plan::kSm90Bf16 || p == Plan::kSm90Fp16; }
+[[maybe_unused]] bool is_sm90_plan(Plan p) {
+  return p == Plan::kSm90Tf32 || p == Plan::kSm90Bf16 || p == Plan::kSm90Fp16 ||
+         p == Plan::kSm90Split3xTf32;
+}
 
 // What both tensor-core paths need: 16-byte aligned rows for TMA / cp.async, and int32 extents.
-bool vector_aligned(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops) {
+// The epilogue's side: output rows and per-column vectors.
+bool output_aligned(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops) {
   const int64_t align = p.dtype == DType::kFloat32 ? 4 : 8;  // elements per 16 bytes
-  if (p.K % align || p.N % align || p.ldx % align || p.ldw % align || p.ldo % align) return false;
-  if (!is_aligned16(p.x) || !is_aligned16(p.w) || !is_aligned16(p.out)) return false;
-  if (p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX) return false;
+  if (p.N % align || p.ldo % align || !is_aligned16(p.out)) return false;
+  if (p.M > INT_MAX || p.N > INT_MAX) return false;
   if (ops != nullptr) {  // the epilogue's per-column vectors are read / written as 16-byte vectors
     if (e == Epilogue::kAffine && !(is_aligned16(ops->a) && is_aligned16(ops->c))) return false;
     if (e == Epilogue::kColumnStats && !(is_aligned16(ops->colsum) && is_aligned16(ops->colsumsq)))
       return false;
   }
   return true;
+}
+
+bool vector_aligned(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops) {
+  const int64_t align = p.dtype == DType::kFloat32 ? 4 : 8;  // elements per 16 bytes
+  if (p.K % align || p.ldx % align || p.ldw % align || p.x_col_stride != 1 || p.w_col_stride != 1)
+    return false;
+  if (!is_aligned16(p.x) || !is_aligned16(p.w) || p.K > INT_MAX) return false;
+  return output_aligned(p, e, ops);
 }
 
 // EPIFUSE_FORCE_SM80=1 runs the sm80 kernels on Hopper too (to test them there); read once.
@@ -63,12 +81,25 @@ bool force_sm80() {
   return forced;
 }
 
+// Below this many rows a 3xTF32 GEMM is bound by reading the weight, which its split doubles
+// (hi and lo parts): SGEMM, which reads it once at fp32 accuracy, is faster there. Estimated for
+// problem 84's 8192x8192 weight on an H100 (~3 TB/s, SGEMM ~50 TFLOP/s, 3xTF32 ~140 effective):
+// the two meet near 64 rows.
+constexpr int64_t kSplitMinRows = 64;
+
 Plan choose_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops, int cc_major,
                  int cc_minor) {
   if (p.M == 0 || p.N == 0) return Plan::kEmpty;
-  if (cc_major < 8 || p.K == 0 || p.math == MathMode::kIEEE || !vector_aligned(p, e, ops))
-    return Plan::kFallback;
+  if (cc_major < 8 || p.K == 0) return Plan::kFallback;
+  if (p.dtype == DType::kFloat32 &&
+      (p.math == MathMode::kIEEE || (p.math == MathMode::k3xTF32 && p.M < kSplitMinRows)))
+    return Plan::kHostSgemm;
   const bool wgmma = EPIFUSE_HAVE_SM90 && cc_major == 9 && cc_minor == 0 && !force_sm80();
+  // The split copies the operands into an aligned layout, so only the output side must be aligned.
+  if (wgmma && p.dtype == DType::kFloat32 && p.math == MathMode::k3xTF32 &&
+      output_aligned(p, e, ops) && split_tf32_ld(p.K) <= INT_MAX)
+    return Plan::kSm90Split3xTf32;
+  if (!vector_aligned(p, e, ops)) return Plan::kFallback;
   switch (p.dtype) {
     case DType::kFloat32:
       if (p.math == MathMode::k3xTF32) return Plan::kSm80Fast3xTf32;
@@ -80,6 +111,20 @@ Plan choose_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops, 
 }
 
 #if EPIFUSE_HAVE_SM90
+}  // namespace
+
+// Declared in sm90_gemm.cuh; read once.
+uint32_t sm90::split3xtf32_promotion_interval() {
+  static const uint32_t interval = [] {
+    const char* v = std::getenv("EPIFUSE_3XTF32_PROMOTION");
+    const long n = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
+    return n >= 2 && n % 2 == 0 && n <= 1024 ? uint32_t(n) : sm90::kDefaultPromotionInterval;
+  }();
+  return interval;
+}
+
+namespace {
+
 // Stream-K pays for its partial-tile fix-up only when data-parallel tiles cannot fill the GPU:
 // e.g. problem 84 at M <= 512 has at most 128 tiles of 128x256 for 132 SMs. The output is
 // rows x cols (z, or z^T for a transposed kernel), cut into tile_m x tile_n tiles.
@@ -120,13 +165,17 @@ using StatsTag = std::integral_constant<Epilogue, Epilogue::kColumnStats>;
 // each with stream-K when its tiles are fewer than the SMs.
 template <class Configs, class Fn>
 void pick_config(const GemmProblem& p, Epilogue e, int sms, Fn&& fn) {
+  using WideTile = typename Configs::Wide::TileShape;
+  constexpr int64_t tile_m = decltype(cute::size<0>(WideTile{}))::value;
+  constexpr int64_t tile_n = decltype(cute::size<1>(WideTile{}))::value;
   if (e == Epilogue::kAffine) {
     if (small_batch(p)) return fn(typename Configs::SmallM{}, AffineTag{});
-    if (prefer_stream_k(p.M, p.N, 128, 256, sms)) return fn(typename Configs::WideSK{}, AffineTag{});
+    if (prefer_stream_k(p.M, p.N, tile_m, tile_n, sms))
+      return fn(typename Configs::WideSK{}, AffineTag{});
     return fn(typename Configs::Wide{}, AffineTag{});
   }
   if (small_batch(p)) return fn(typename Configs::SmallM{}, StatsTag{});
-  if (prefer_stream_k(p.N, p.M, 128, 256, sms))
+  if (prefer_stream_k(p.N, p.M, tile_m, tile_n, sms))
     return fn(typename Configs::WideTransposedSK{}, StatsTag{});
   return fn(typename Configs::WideTransposed{}, StatsTag{});
 }
@@ -144,6 +193,9 @@ void with_sm90_config(Plan plan, const GemmProblem& p, Epilogue e, int sms, Fn&&
     case Plan::kSm90Fp16:
       return pick_config<Sm90Configs<Fp16Wide, Fp16WideSK, Fp16WideTransposed, Fp16WideTransposedSK,
                                      Fp16SmallM>>(p, e, sms, fn);
+    case Plan::kSm90Split3xTf32:
+      return pick_config<Sm90Configs<Split3xTf32Wide, Split3xTf32WideSK, Split3xTf32WideTransposed,
+                                     Split3xTf32WideTransposedSK, Split3xTf32SmallM>>(p, e, sms, fn);
     default: throw std::logic_error("epifuse: not a Hopper plan");
   }
 }
@@ -165,6 +217,28 @@ void sm90_run(const GemmProblem& p, const EpilogueOperands& ops, void* workspace
   } else {
     sm90::run_column_stats<Config>(p, ops, workspace, device, sms, stream);
   }
+}
+
+// The 3xTF32 plan's workspace: [x split][flags of x's non-finite rows][w split, unless p.w_split]
+// [the GEMM's own workspace].
+// The GEMM itself sees the split operands: K' = split_tf32_ld(K) floats of hi/lo parts per row.
+GemmProblem split_problem(const GemmProblem& p, const float* x_split, const float* w_split) {
+  GemmProblem s = p;
+  s.K = split_tf32_ld(p.K);
+  s.x = x_split;
+  s.ldx = s.K;
+  s.w = w_split;
+  s.ldw = s.K;
+  s.x_col_stride = s.w_col_stride = 1;
+  s.w_split = nullptr;
+  return s;
+}
+
+size_t row_flag_bytes(const GemmProblem& p) { return (sizeof(int) * size_t(p.M) + 255) / 256 * 256; }
+
+size_t split_operand_bytes(const GemmProblem& p) {
+  return split_tf32_bytes(p.M, p.K) + row_flag_bytes(p) +
+         (p.w_split != nullptr ? 0 : split_tf32_bytes(p.N, p.K));
 }
 #endif
 
@@ -206,18 +280,34 @@ bool supports_device(int cc_major, int cc_minor) {
   return false;
 }
 
+bool gemm_uses_host_sgemm(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
+  return choose_plan(p, e, nullptr, cc_major, cc_minor) == Plan::kHostSgemm;
+}
+
+bool gemm_splits_operands(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
+  return choose_plan(p, e, nullptr, cc_major, cc_minor) == Plan::kSm90Split3xTf32;
+}
+
+size_t split_weight_floats(const GemmProblem& p) { return size_t(p.N) * size_t(split_tf32_ld(p.K)); }
+
+void split_weight(const GemmProblem& p, float* dst, cudaStream_t stream) {
+  split_tf32(static_cast<const float*>(p.w), p.N, p.K, p.ldw, p.w_col_stride, dst, nullptr, stream);
+}
+
 size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int cc_major, int cc_minor) {
   const Plan plan = choose_plan(p, e, nullptr, cc_major, cc_minor);
-  if (plan == Plan::kEmpty || plan == Plan::kFallback) return 0;
+  if (plan == Plan::kEmpty || plan == Plan::kFallback || plan == Plan::kHostSgemm) return 0;
   size_t bytes = 0;
 #if EPIFUSE_HAVE_SM90
   if (is_sm90_plan(plan)) {
     const int device = current_device();
     const int sms = sm_count(device);
-    with_sm90_config(plan, p, e, sms, [&](auto cfg, auto tag) {
-      bytes = sm90_workspace_bytes<decltype(cfg), decltype(tag)>(p, device, sms);
+    const bool split = plan == Plan::kSm90Split3xTf32;
+    const GemmProblem gp = split ? split_problem(p, nullptr, nullptr) : p;
+    with_sm90_config(plan, gp, e, sms, [&](auto cfg, auto tag) {
+      bytes = sm90_workspace_bytes<decltype(cfg), decltype(tag)>(gp, device, sms);
     });
-    return bytes;
+    return bytes + (split ? split_operand_bytes(p) : 0);
   }
 #endif
   with_sm80_config(plan, [&](auto cfg) {
@@ -248,7 +338,7 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
     }
     return;
   }
-  if (plan == Plan::kFallback) {
+  if (plan == Plan::kFallback || plan == Plan::kHostSgemm) {  // no host library here: SIMT
     if (p.K == 0) {  // an empty sum: z = 0 (and x, w may have no storage for a kernel to read)
       const size_t elt = p.dtype == DType::kFloat32 ? 4 : 2;
       cudaMemset2DAsync(p.out, p.ldo * elt, 0, p.N * elt, p.M, stream);
@@ -259,6 +349,33 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
     return;
   }
 #if EPIFUSE_HAVE_SM90
+  if (plan == Plan::kSm90Split3xTf32) {
+    // Split x (and w, unless the caller kept its split) into the workspace, then the GEMM on the
+    // split operands; its own workspace follows them.
+    char* base = static_cast<char*>(workspace);
+    auto* x_split = reinterpret_cast<float*>(base);
+    base += split_tf32_bytes(p.M, p.K);
+    auto* row_flags = reinterpret_cast<int*>(base);
+    base += row_flag_bytes(p);
+    split_tf32(static_cast<const float*>(p.x), p.M, p.K, p.ldx, p.x_col_stride, x_split, row_flags,
+               stream);
+    const float* w_split = p.w_split;
+    if (w_split == nullptr) {
+      split_weight(p, reinterpret_cast<float*>(base), stream);
+      w_split = reinterpret_cast<const float*>(base);
+      base += split_tf32_bytes(p.N, p.K);
+    }
+    const GemmProblem sp = split_problem(p, x_split, w_split);
+    const int sms = sm_count(device);
+    with_sm90_config(plan, sp, e, sms, [&](auto cfg, auto tag) {
+      sm90_run<decltype(cfg), decltype(tag)>(sp, ops, base, device, sms, stream);
+    });
+    // The split turns the +-Inf of a row of x into NaN; IEEE math for those rows.
+    const bool affine = e == Epilogue::kAffine;
+    recompute_nonfinite_rows(p, affine ? ops.a : nullptr, affine ? ops.c : nullptr, row_flags,
+                             stream);
+    return;
+  }
   if (is_sm90_plan(plan)) {
     const int sms = sm_count(device);
     with_sm90_config(plan, p, e, sms, [&](auto cfg, auto tag) {
@@ -278,7 +395,7 @@ void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, voi
   // 3xTF32 turns the +-Inf of a row of x into NaN (big/small split); IEEE math for those rows.
   if (plan == Plan::kSm80Fast3xTf32) {
     const bool affine = e == Epilogue::kAffine;
-    recompute_nonfinite_rows(p, affine ? ops.a : nullptr, affine ? ops.c : nullptr, stream);
+    recompute_nonfinite_rows(p, affine ? ops.a : nullptr, affine ? ops.c : nullptr, nullptr, stream);
   }
 }
 

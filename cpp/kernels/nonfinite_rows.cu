@@ -20,19 +20,24 @@ constexpr int kThreads = 256;
 
 __global__ void __launch_bounds__(kThreads)
 recompute_nonfinite_rows_kernel(GemmProblem p, const float* __restrict__ a,
-                                const float* __restrict__ c) {
+                                const float* __restrict__ c, const int* __restrict__ row_flags) {
   const auto* x = static_cast<const float*>(p.x);
   const auto* w = static_cast<const float*>(p.w);
   auto* out = static_cast<float*>(p.out);
   for (int64_t m = blockIdx.x; m < p.M; m += gridDim.x) {
     const float* row = x + m * p.ldx;
-    bool nonfinite = false;
-    for (int64_t k = threadIdx.x; k < p.K; k += kThreads) nonfinite |= !isfinite(row[k]);
-    if (!__syncthreads_or(nonfinite)) continue;  // the common case: nothing to repair
+    if (row_flags != nullptr) {
+      if (row_flags[m] == 0) continue;  // the common case: nothing to repair
+    } else {
+      bool nonfinite = false;
+      for (int64_t k = threadIdx.x; k < p.K; k += kThreads)
+        nonfinite |= !isfinite(row[k * p.x_col_stride]);
+      if (!__syncthreads_or(nonfinite)) continue;
+    }
     for (int64_t n = threadIdx.x; n < p.N; n += kThreads) {
       const float* wn = w + n * p.ldw;
       float acc = 0.f;
-      for (int64_t k = 0; k < p.K; ++k) acc = fmaf(row[k], wn[k], acc);
+      for (int64_t k = 0; k < p.K; ++k) acc = fmaf(row[k * p.x_col_stride], wn[k * p.w_col_stride], acc);
       out[m * p.ldo + n] = a != nullptr ? a[n] * acc + c[n] : acc;
     }
   }
@@ -41,10 +46,10 @@ recompute_nonfinite_rows_kernel(GemmProblem p, const float* __restrict__ a,
 }  // namespace
 
 void recompute_nonfinite_rows(const GemmProblem& p, const float* a, const float* c,
-                              cudaStream_t stream) {
+                              const int* row_flags, cudaStream_t stream) {
   if (p.M == 0 || p.N == 0 || p.K == 0 || p.dtype != DType::kFloat32) return;
   const int64_t blocks = std::min<int64_t>(p.M, 65535);
-  recompute_nonfinite_rows_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(p, a, c);
+  recompute_nonfinite_rows_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(p, a, c, row_flags);
   check_launch("recompute_nonfinite_rows");
 }
 

@@ -7,7 +7,8 @@ namespace epifuse {
 
 // For every row m of the fp32 problem p whose x[m, :] is not all finite, recomputes
 // p.out[m, :] = a[n] * (x[m, :] . w[n, :]) + c[n] with IEEE fp32 FMAs (a, c null: the plain product).
+// row_flags, if not null, says which rows those are (split_tf32 flagged them), so x is not scanned.
 void recompute_nonfinite_rows(const GemmProblem& p, const float* a, const float* c,
-                              cudaStream_t stream);
+                              const int* row_flags, cudaStream_t stream);
 
 }  // namespace epifuse

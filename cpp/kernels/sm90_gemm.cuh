@@ -18,6 +18,7 @@
 
 #include "epifuse/kernels.h"
 #include "epilogues.hpp"
+#include "sm90_mainloop_3xtf32.hpp"
 #include "tile_partials.hpp"
 
 namespace epifuse::sm90 {
@@ -31,15 +32,35 @@ using namespace cute;
 // row-major. A small batch would fill a 128-row tile with 128 - M rows of padding (8x the useful
 // TF32 math at M = 16, more than the time it takes to stream w); transposed, the batch is the
 // tile's N extent (padded to 64) and the weight's rows fill M (gemm_dispatch.cu, small_batch).
+// Split3xTf32: fp32 operands in the split_tf32 layout, multiplied at fp32 accuracy by the 3xTF32
+// mainloop (sm90_mainloop_3xtf32.hpp); the problem's K is then the split width 2 * Kp.
 template <class ElementIn_, class TileShape_, class ClusterShape_, class Scheduler_,
-          bool kTransposed_ = false>
+          bool kTransposed_ = false, bool kSplit3xTf32_ = false>
 struct TileConfig {
   using ElementIn = ElementIn_;
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using Scheduler = Scheduler_;
   static constexpr bool kTransposed = kTransposed_;
+  static constexpr bool kSplit3xTf32 = kSplit3xTf32_;
+  static_assert(!kSplit3xTf32 || std::is_same_v<ElementIn, float>, "3xTF32 splits fp32 operands");
 };
+
+// The 3xTF32 mainloop with the types CUTLASS's builder chose for the same TF32 GEMM (TMA copies,
+// swizzled shared-memory layouts, wgmma atoms, stage count); only the consumer's MMA loop differs.
+template <class Built, class ClusterShape>
+using Split3xTf32Mainloop = cutlass::gemm::collective::CollectiveMma<
+    MainloopSm90TmaGmmaWarpSpecialized3xTF32<Built::DispatchPolicy::Stages, ClusterShape,
+                                             cutlass::gemm::KernelTmaWarpSpecializedCooperative>,
+    typename Built::TileShape, typename Built::ElementA, typename Built::StrideA,
+    typename Built::ElementB, typename Built::StrideB, typename Built::TiledMma,
+    typename Built::GmemTiledCopyA, typename Built::SmemLayoutAtomA, typename Built::SmemCopyAtomA,
+    typename Built::TransformA, typename Built::GmemTiledCopyB, typename Built::SmemLayoutAtomB,
+    typename Built::SmemCopyAtomB, typename Built::TransformB>;
+
+// Promotion interval of the 3xTF32 mainloop in K-tiles of 16 k: kDefaultPromotionInterval, or
+// EPIFUSE_3XTF32_PROMOTION (an even number >= 2) to measure others (gemm_dispatch.cu reads it once).
+uint32_t split3xtf32_promotion_interval();
 
 // Fusion is an EVT from epilogues.hpp, instantiated for Config's tile shape and output type.
 template <class Config, class Fusion_>
@@ -62,7 +83,7 @@ struct GemmKernel {
       ElementD, LayoutD, kAlignD,
       cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       ElementIn, cutlass::layout::RowMajor, kAlignIn,     // x: [M, K], K-major (transposed: w)
       ElementIn, cutlass::layout::ColumnMajor, kAlignIn,  // w: [N, K], K-major (transposed: x)
@@ -70,6 +91,9 @@ struct GemmKernel {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using CollectiveMainloop =
+      std::conditional_t<Config::kSplit3xTf32, Split3xTf32Mainloop<BuiltMainloop, ClusterShape>,
+                         BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
                                                       CollectiveEpilogue,
@@ -79,6 +103,14 @@ struct GemmKernel {
 
   static Arguments make_arguments(const GemmProblem& p, typename Fusion::Arguments fusion_args,
                                   int device, int sm_count) {
+    Arguments args = operand_arguments(p, fusion_args, device, sm_count);
+    if constexpr (Config::kSplit3xTf32)
+      args.mainloop.promotion_interval = split3xtf32_promotion_interval();
+    return args;
+  }
+
+  static Arguments operand_arguments(const GemmProblem& p, typename Fusion::Arguments fusion_args,
+                                   int device, int sm_count) {
     using StrideA = typename Kernel::StrideA;
     using StrideB = typename Kernel::StrideB;
     using StrideC = typename Kernel::StrideC;

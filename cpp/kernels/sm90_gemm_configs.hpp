@@ -61,6 +61,17 @@ using Fp16WideTransposed = TileConfig<cutlass::half_t, Shape<_128, _256, _64>, C
 using Fp16WideTransposedSK = TileConfig<cutlass::half_t, Shape<_128, _256, _64>, Cluster2x1, StreamKScheduler, kTransposed>;
 using Fp16SmallM = TileConfig<cutlass::half_t, Shape<_128, _64, _64>, Cluster1x1, StreamKScheduler, kTransposed>;
 
+// Split3xTf32...: fp32 at fp32 accuracy on TF32 wgmma (sm90_mainloop_3xtf32.hpp), operands in the
+// split_tf32 layout. 128x128 tiles: each consumer thread holds the fp32 accumulator and the
+// tensor-core accumulator (64 + 64 registers); the 128x256 tile of the TF32 kernel would need 256.
+// The K-tile of 32 floats is 16 k of hi parts and their 16 lo parts.
+constexpr bool kSplit3xTf32 = true;
+using Split3xTf32Wide = TileConfig<float, Shape<_128, _128, _32>, Cluster2x1, PersistentScheduler, !kTransposed, kSplit3xTf32>;
+using Split3xTf32WideSK = TileConfig<float, Shape<_128, _128, _32>, Cluster2x1, StreamKScheduler, !kTransposed, kSplit3xTf32>;
+using Split3xTf32WideTransposed = TileConfig<float, Shape<_128, _128, _32>, Cluster2x1, PersistentScheduler, kTransposed, kSplit3xTf32>;
+using Split3xTf32WideTransposedSK = TileConfig<float, Shape<_128, _128, _32>, Cluster2x1, StreamKScheduler, kTransposed, kSplit3xTf32>;
+using Split3xTf32SmallM = TileConfig<float, Shape<_128, _64, _32>, Cluster1x1, StreamKScheduler, kTransposed, kSplit3xTf32>;
+
 // Instantiated in sm90_gemm_<dtype>_<epilogue>.cu.
 #define EPIFUSE_SM90_EXTERN_AFFINE(Config)                                                        \
   extern template size_t affine_workspace_bytes<Config>(const GemmProblem&, int, int);                 \
@@ -89,6 +100,11 @@ EPIFUSE_SM90_EXTERN_AFFINE(Fp16WideSK)
 EPIFUSE_SM90_EXTERN_COLUMN_STATS(Fp16WideTransposed)
 EPIFUSE_SM90_EXTERN_COLUMN_STATS(Fp16WideTransposedSK)
 EPIFUSE_SM90_EXTERN(Fp16SmallM)
+EPIFUSE_SM90_EXTERN_AFFINE(Split3xTf32Wide)
+EPIFUSE_SM90_EXTERN_AFFINE(Split3xTf32WideSK)
+EPIFUSE_SM90_EXTERN_COLUMN_STATS(Split3xTf32WideTransposed)
+EPIFUSE_SM90_EXTERN_COLUMN_STATS(Split3xTf32WideTransposedSK)
+EPIFUSE_SM90_EXTERN(Split3xTf32SmallM)
 #undef EPIFUSE_SM90_EXTERN
 #undef EPIFUSE_SM90_EXTERN_COLUMN_STATS
 #undef EPIFUSE_SM90_EXTERN_AFFINE

@@ -14,10 +14,12 @@
 
 #include <array>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <string>
 
 #include "epifuse/kernels.h"
+#include "weight_split_cache.h"
 
 namespace epifuse {
 namespace {
@@ -139,11 +141,17 @@ at::Tensor rows_with_unit_stride(const at::Tensor& t) {
 
 struct PreparedGemm {
   GemmProblem problem;
+  Epilogue epilogue = Epilogue::kAffine;
+  int device = 0, cc_major = 0, cc_minor = 0;
   at::Tensor x, w, out;  // keep the (possibly copied) operands alive
 };
 
+// x [M, K] . w [N, K]^T -> out [M, N] (dtype of x) in `precision`. The 3xTF32 Hopper plan reads
+// strided operands as they are (its split copies them anyway); for every other plan the operands
+// get rows with unit column stride (copied only when the caller passed another view), unless
+// keep_views (the caller runs cuBLAS, which takes any layout).
 PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const std::string& precision,
-                          const char* op) {
+                          Epilogue epilogue, const char* op, bool keep_views = false) {
   EPIFUSE_CHECK(x_in.dim() == 2, "epifuse::", op, ": expected x to be 2-D [M, K], got ",
               x_in.dim(), "-D");
   EPIFUSE_CHECK(w_in.dim() == 2, "epifuse::", op, ": expected weight to be 2-D [N, K], got ",
@@ -157,61 +165,117 @@ PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const 
               x_in.size(0), "x", x_in.size(1), " and ", w_in.size(1), "x", w_in.size(0), ")");
   const DType dtype = to_dtype(x_in, op);
   PreparedGemm g;
-  g.x = rows_with_unit_stride(x_in);
-  g.w = rows_with_unit_stride(w_in);
-  const int64_t M = g.x.size(0), K = g.x.size(1), N = g.w.size(0);
-  g.out = at::empty({M, N}, g.x.options());
-  g.problem.M = M;
-  g.problem.N = N;
-  g.problem.K = K;
-  g.problem.x = g.x.data_ptr();
-  g.problem.ldx = g.x.stride(0);
-  g.problem.w = g.w.data_ptr();
-  g.problem.ldw = g.w.stride(0);
-  g.problem.out = g.out.data_ptr();
-  g.problem.ldo = std::max<int64_t>(N, 1);
-  g.problem.dtype = dtype;
-  g.problem.math = math_mode(precision, dtype, op);
+  g.epilogue = epilogue;
+  g.device = x_in.get_device();
+  std::tie(g.cc_major, g.cc_minor) = compute_capability(g.device);
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
+  g.out = at::empty({M, N}, x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  GemmProblem& p = g.problem;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.out = g.out.data_ptr();
+  p.ldo = std::max<int64_t>(N, 1);
+  p.dtype = dtype;
+  p.math = math_mode(precision, dtype, op);
+  auto bind = [&] {
+    p.x = g.x.data_ptr();
+    p.ldx = g.x.stride(0);
+    p.x_col_stride = g.x.stride(1);
+    p.w = g.w.data_ptr();
+    p.ldw = g.w.stride(0);
+    p.w_col_stride = g.w.stride(1);
+  };
+  g.x = x_in;
+  g.w = w_in;
+  bind();
+  if (!keep_views && !gemm_splits_operands(p, epilogue, g.cc_major, g.cc_minor)) {
+    g.x = rows_with_unit_stride(x_in);
+    g.w = rows_with_unit_stride(w_in);
+    bind();
+  }
   return g;
 }
 
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
-// IEEE fp32 while PyTorch itself runs fp32 matmuls in IEEE ('highest'): cuBLAS's FFMA SGEMM is
-// what the reference model runs and the fastest exact-fp32 GEMM available, so take it and apply the
-// epilogue as one more pass. (A forced precision='ieee' under a TF32-enabled global setting cannot
-// use at::mm, which would follow the global flag: it takes the CUTLASS SIMT kernel instead.)
-bool use_cublas_ieee(const GemmProblem& p) {
-  return p.dtype == DType::kFloat32 && p.math == MathMode::kIEEE && p.M > 0 && p.N > 0 &&
-         !at::globalContext().allowTF32CuBLAS();
+// Sets whether cuBLAS may run fp32 GEMMs in TF32 for one scope, whatever the global setting
+// (torch.backends.cuda.matmul / set_float32_matmul_precision), and restores it after.
+class CublasTf32Scope {
+ public:
+  explicit CublasTf32Scope(bool allow) : saved_(at::globalContext().allowTF32CuBLAS()) {
+    if (allow != saved_) at::globalContext().setAllowTF32CuBLAS(allow);
+  }
+  ~CublasTf32Scope() {
+    if (at::globalContext().allowTF32CuBLAS() != saved_) at::globalContext().setAllowTF32CuBLAS(saved_);
+  }
+  CublasTf32Scope(const CublasTf32Scope&) = delete;
+  CublasTf32Scope& operator=(const CublasTf32Scope&) = delete;
+
+ private:
+  bool saved_;
+};
+
+// out = x . w^T on cuBLAS (at::mm) in the problem's math: IEEE fp32 (FFMA SGEMM), TF32, or the
+// 16-bit tensor-core GEMM, independent of the global TF32 flag.
+void cublas_product(const PreparedGemm& g) {
+  const CublasTf32Scope scope(g.problem.math == MathMode::kTF32);
+  at::mm_out(const_cast<at::Tensor&>(g.out), g.x, g.w.t());
 }
 
-void run_gemm(const PreparedGemm& g, Epilogue e, const EpilogueOperands& ops) {
-  if (use_cublas_ieee(g.problem)) {
-    at::mm_out(const_cast<at::Tensor&>(g.out), g.x, g.w.t());
+// The dispatcher (gemm_dispatch.cu) decides; when its plan is cuBLAS's SGEMM (IEEE fp32, forced
+// or chosen), it runs here with TF32 off whatever the global flag says (a forced 'ieee' under
+// set_float32_matmul_precision('high') used to take a CUTLASS SIMT GEMM, 1.2x slower than SGEMM),
+// then the epilogue as one more pass.
+void run_gemm(PreparedGemm& g, const EpilogueOperands& ops) {
+  const Epilogue e = g.epilogue;
+  if (gemm_uses_host_sgemm(g.problem, e, g.cc_major, g.cc_minor)) {
+    g.problem.math = MathMode::kIEEE;
+    cublas_product(g);
     epilogue_pass(g.problem, e, ops, current_stream());
     return;
   }
-  const int device = g.x.get_device();
-  const auto [major, minor] = compute_capability(device);
-  const size_t bytes = gemm_workspace_bytes(g.problem, e, major, minor);
+  at::Tensor w_split;  // kept alive until the GEMM is enqueued
+  if (gemm_splits_operands(g.problem, e, g.cc_major, g.cc_minor)) {
+    w_split = cached_weight_split(g.w, g.problem, current_stream());
+    g.problem.w_split = w_split.defined() ? w_split.data_ptr<float>() : nullptr;
+  }
+  const size_t bytes = gemm_workspace_bytes(g.problem, e, g.cc_major, g.cc_minor);
   at::Tensor workspace;
   if (bytes > 0) workspace = at::empty({int64_t(bytes)}, g.x.options().dtype(at::kByte));
-  gemm_run(g.problem, e, ops, bytes > 0 ? workspace.data_ptr() : nullptr, device, major, minor,
-           current_stream());
+  gemm_run(g.problem, e, ops, bytes > 0 ? workspace.data_ptr() : nullptr, g.device, g.cc_major,
+           g.cc_minor, current_stream());
 }
 
 at::Tensor gemm_affine_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& a,
                             const at::Tensor& c, c10::string_view precision) {
   const char* op = "gemm_affine";
   const auto guard = guard_for(x, op, "x");
-  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), op);
+  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), Epilogue::kAffine, op);
   const at::Tensor a32 = column_vector(a, g.problem.N, op, "a", x);
   const at::Tensor c32 = column_vector(c, g.problem.N, op, "c", x);
   EpilogueOperands ops;
   ops.a = a32.data_ptr<float>();
   ops.c = c32.data_ptr<float>();
-  run_gemm(g, Epilogue::kAffine, ops);
+  run_gemm(g, ops);
+  return g.out;
+}
+
+// a [M, K] . b [N, K]^T in `precision`, for the GEMMs of the backward (dX = dZ . W and
+// dW = dZ^T . X, with transposed views as operands). 3xTF32 on Hopper runs the epifuse GEMM
+// (its split reads the views directly, no transposed copy); TF32, 16-bit and IEEE run cuBLAS,
+// which takes any layout at full speed.
+at::Tensor matmul_nt_cuda(const at::Tensor& a, const at::Tensor& b, c10::string_view precision) {
+  const char* op = "matmul_nt";
+  const auto guard = guard_for(a, op, "a");
+  PreparedGemm g = prepare_gemm(a, b, std::string(precision), Epilogue::kAffine, op,
+                                /*keep_views=*/true);
+  if (g.problem.M == 0 || g.problem.N == 0) return g.out;
+  if (!gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
+    cublas_product(g);
+    return g.out;
+  }
+  run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
   return g.out;
 }
 
@@ -220,14 +284,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_colstats_cuda(const at::Tens
                                                                   c10::string_view precision) {
   const char* op = "gemm_colstats";
   const auto guard = guard_for(x, op, "x");
-  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), op);
+  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), Epilogue::kColumnStats, op);
   auto stats_options = g.x.options().dtype(at::kDouble);
   at::Tensor colsum = at::empty({g.problem.N}, stats_options);
   at::Tensor colsumsq = at::empty({g.problem.N}, stats_options);
   EpilogueOperands ops;
   ops.colsum = colsum.data_ptr<double>();
   ops.colsumsq = colsumsq.data_ptr<double>();
-  run_gemm(g, Epilogue::kColumnStats, ops);
+  run_gemm(g, ops);
   return {g.out, colsum, colsumsq};
 }
 
@@ -422,6 +486,7 @@ void affine_inplace_cuda(const at::Tensor& z, const at::Tensor& a, const at::Ten
 TORCH_LIBRARY(epifuse, m) {
   m.def("gemm_affine(Tensor x, Tensor weight, Tensor a, Tensor c, str precision) -> Tensor");
   m.def("gemm_colstats(Tensor x, Tensor weight, str precision) -> (Tensor, Tensor, Tensor)");
+  m.def("matmul_nt(Tensor a, Tensor b, str precision) -> Tensor");
   m.def(
       "bn_fold_train(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, Tensor gamma, "
       "Tensor beta, Tensor? pre_scale, Tensor? post_scale, Tensor(a!) running_mean, "
@@ -443,6 +508,7 @@ TORCH_LIBRARY(epifuse, m) {
 TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {
   m.impl("gemm_affine", &epifuse::gemm_affine_cuda);
   m.impl("gemm_colstats", &epifuse::gemm_colstats_cuda);
+  m.impl("matmul_nt", &epifuse::matmul_nt_cuda);
   m.impl("bn_fold_train", &epifuse::bn_fold_train_cuda);
   m.impl("bn_fold_eval", &epifuse::bn_fold_eval_cuda);
   m.impl("affine_softmax", &epifuse::affine_softmax_cuda);

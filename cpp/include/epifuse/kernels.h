@@ -19,8 +19,9 @@ enum class DType { kFloat32, kFloat16, kBFloat16 };
 
 // How a GEMM multiplies. kIEEE: exact fp32 products (FFMA); kTF32: fp32 inputs on the tensor cores
 // with TF32 operands; k3xTF32: fp32 inputs split into TF32 big + small parts, three tensor-core
-// passes (big*big + big*small + small*big), near-fp32 accuracy; kNative: 16-bit inputs on the
-// tensor cores. Accumulation is fp32 always.
+// products (small*big + big*small + big*big), fp32 accuracy (on Hopper with the tensor-core sums
+// promoted to fp32 registers, sm90_mainloop_3xtf32.hpp); kNative: 16-bit inputs on the tensor
+// cores. Accumulation is fp32 always.
 enum class MathMode { kIEEE, kTF32, k3xTF32, kNative };
 
 // ---- what this build can run -------------------------------------------------------------------
@@ -43,8 +44,15 @@ struct GemmProblem {
   const void* x = nullptr;  int64_t ldx = 0;  // [M, K], row stride ldx, unit column stride
   const void* w = nullptr;  int64_t ldw = 0;  // [N, K] (nn.Linear weight), row stride ldw
   void* out = nullptr;      int64_t ldo = 0;  // [M, N], row stride ldo
+  // Column strides of x and w. Only plans that split their operands (gemm_splits_operands) read
+  // strided columns (e.g. the transposed views of the backward's GEMMs); every other plan needs 1.
+  int64_t x_col_stride = 1, w_col_stride = 1;
   DType dtype = DType::kFloat32;              // of x, w and out alike
   MathMode math = MathMode::kTF32;
+  // Optional, for plans that split their operands (gemm_splits_operands): w already split
+  // (split_tf32_ld(K) floats per row, see split_tf32.hpp), e.g. cached while the weight is unchanged;
+  // null: the GEMM splits w into its workspace.
+  const float* w_split = nullptr;
 };
 
 struct EpilogueOperands {
@@ -53,6 +61,20 @@ struct EpilogueOperands {
   double* colsum = nullptr;   // kColumnStats: [N]
   double* colsumsq = nullptr; // kColumnStats: [N]
 };
+
+// Whether this problem's product should come from cuBLAS's SGEMM (IEEE fp32), which the op layer
+// runs before calling epilogue_pass: for IEEE math, and for 3xTF32 problems too small to gain from
+// the split. gemm_run itself would use the portable SIMT GEMM for them.
+bool gemm_uses_host_sgemm(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
+
+// Whether the plan for this problem is the Hopper 3xTF32 GEMM, which multiplies operands split into
+// TF32 hi/lo parts (split_tf32_weight below makes p.w_split ahead of time).
+bool gemm_splits_operands(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
+
+// The weight of such a problem (p.w, p.N, p.K, p.ldw, p.w_col_stride) split into dst, which holds
+// split_weight_floats(p) floats; the caller may keep it as p.w_split while the weight is unchanged.
+size_t split_weight_floats(const GemmProblem& p);
+void split_weight(const GemmProblem& p, float* dst, cudaStream_t stream);
 
 // Device workspace bytes the plan needs (0 when none). Allocate with any allocator, 16-byte aligned.
 size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);

@@ -1,0 +1,199 @@
+"""PyTorch's default precision on the tensor cores: the Hopper 3xTF32 GEMM.
+
+Under ``torch.get_float32_matmul_precision() == 'highest'`` (PyTorch's default) the fused path runs
+3xTF32 (precision.py). These tests hold it to what that promises: errors against float64 no larger
+than cuBLAS's SGEMM (what eager PyTorch runs there), on a shape sweep with small K and on offset
+inputs; IEEE results for non-finite inputs; a weight split that is never stale; and a
+KernelBench-style harness check of both problems at full size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epifuse import ops
+from epifuse.head import fast_path_reason
+from helpers import PROBLEMS, rel_err
+
+pytestmark = pytest.mark.hopper
+
+CUDA = torch.device("cuda")
+
+
+def _is_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the 3xTF32 wgmma GEMM is Hopper's")
+
+
+def _kernels_run(fn) -> set[str]:
+    """Names of the CUDA kernels that fn() launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def _ran_split_gemm(fn) -> bool:
+    return any("split_tf32" in name for name in _kernels_run(fn))
+
+
+def _operands(m, k, n, offset=0.0, seed=0):
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    x = torch.rand(m, k, device=CUDA, generator=g) + offset
+    w = (torch.rand(n, k, device=CUDA, generator=g) * 2 - 1) / k ** 0.5
+    return x, w
+
+
+def _sgemm(x, w):
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return x @ w.T
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+# (M, K, N): small K (one or a few K-tiles, a ragged one), both problems' shapes, stream-K grids
+# (fewer 128x128 tiles than SMs), small batches (the transposed 128x64 tiles).
+SWEEP = [(256, 16, 256), (256, 17, 256), (512, 40, 512), (1000, 100, 1024), (128, 1000, 4096),
+         (400, 2048, 4096), (1024, 8192, 8192), (4096, 4096, 4096), (2100, 2304, 64)]
+
+
+@hopper_only
+@pytest.mark.parametrize("offset", [0.0, 100.0], ids=["x", "x+100"])
+@pytest.mark.parametrize("m,k,n", SWEEP, ids=[f"M{m}-K{k}-N{n}" for m, k, n in SWEEP])
+def test_error_no_larger_than_sgemm(m, k, n, offset):
+    x, w = _operands(m, k, n, offset, seed=m + k + n)
+    ref = x.double() @ w.double().T
+    a, c = torch.ones(n, device=CUDA), torch.zeros(n, device=CUDA)
+    assert _ran_split_gemm(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"))
+    ours = rel_err(ops.gemm_affine(x, w, a, c, "3xtf32"), ref)
+    sgemm = rel_err(_sgemm(x, w), ref)
+    z, colsum, colsumsq = ops.gemm_colstats(x, w, "3xtf32")
+    assert ours <= sgemm, (ours, sgemm)
+    assert rel_err(z, ref) <= sgemm
+    # The statistics sum the GEMM's own fp32 accumulator (z) in fp64.
+    assert rel_err(colsum, z.double().sum(0)) <= 1e-9
+    assert rel_err(colsumsq, (z.double() ** 2).sum(0)) <= 1e-9
+
+
+@hopper_only
+def test_nonfinite_rows_match_ieee():
+    x, w = _operands(256, 512, 256)
+    x[3, 7] = float("inf")
+    x[10, 0] = float("-inf")
+    x[20, 100] = float("nan")
+    a, c = torch.ones(256, device=CUDA), torch.zeros(256, device=CUDA)
+    y = ops.gemm_affine(x, w, a, c, "3xtf32")
+    expected = _sgemm(x, w)
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.equal(torch.isinf(y), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    assert rel_err(y[finite], expected.double()[finite]) <= 1e-6
+
+
+@hopper_only
+def test_weight_split_cache_sees_in_place_updates():
+    x, w = _operands(512, 1024, 512)
+    a, c = torch.ones(512, device=CUDA), torch.zeros(512, device=CUDA)
+    for _ in range(3):  # the second call with an unchanged weight caches its split
+        ops.gemm_affine(x, w, a, c, "3xtf32")
+    with torch.no_grad():
+        w.mul_(-2.0)  # an optimizer step: same storage, new version
+    y = ops.gemm_affine(x, w, a, c, "3xtf32")
+    assert rel_err(y, x.double() @ w.double().T) <= 1e-6
+    w2 = w.clone()  # another weight, same shape: its own entry
+    y2 = ops.gemm_affine(x, w2, a, c, "3xtf32")
+    assert rel_err(y2, x.double() @ w2.double().T) <= 1e-6
+
+
+@hopper_only
+def test_graph_replay_sees_weight_updates():
+    x, w = _operands(512, 1024, 512)
+    a, c = torch.ones(512, device=CUDA), torch.zeros(512, device=CUDA)
+    for _ in range(3):
+        ops.gemm_affine(x, w, a, c, "3xtf32")  # the split is cached before capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        y = ops.gemm_affine(x, w, a, c, "3xtf32")
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.no_grad():
+        w.add_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(y, x.double() @ w.double().T) <= 1e-6
+
+
+@hopper_only
+@pytest.mark.parametrize("precision,tol", [("3xtf32", 1e-6), ("ieee", 1e-6), ("tf32", 3e-3)])
+def test_matmul_nt_transposed_views(precision, tol):
+    """The backward's GEMMs, dX = dZ . W and dW = dZ^T . X, take transposed views, no copies."""
+    g = torch.Generator(device=CUDA).manual_seed(5)
+    dz = torch.randn(640, 512, device=CUDA, generator=g)   # [M, N]
+    w = torch.randn(512, 768, device=CUDA, generator=g)    # [N, K]
+    x = torch.randn(640, 768, device=CUDA, generator=g)    # [M, K]
+    dx = ops.matmul_nt(dz, w.t(), precision)
+    assert dx.shape == (640, 768) and dx.is_contiguous()
+    assert rel_err(dx, dz.double() @ w.double()) <= tol
+    dw = ops.matmul_nt(dz.t(), x.t(), precision)
+    assert dw.shape == (512, 768)
+    assert rel_err(dw, dz.double().T @ x.double()) <= tol
+    if precision == "3xtf32":
+        assert _ran_split_gemm(lambda: ops.matmul_nt(dz.t(), x.t(), precision))
+
+
+def test_ieee_ignores_the_global_tf32_setting():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU available")
+    x, w = _operands(256, 2048, 256)
+    a, c = torch.ones(256, device=CUDA), torch.zeros(256, device=CUDA)
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        y = ops.gemm_affine(x, w, a, c, "ieee")
+        assert torch.get_float32_matmul_precision() == "high"  # restored after the op
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    assert rel_err(y, x.double() @ w.double().T) <= 2e-6  # IEEE, not TF32 (~1e-3)
+
+
+# --------------------------------------------------------------------------- harness check
+
+
+def _harness(number: int, trials: int = 5):
+    """What a KernelBench-style harness does: same seed on CPU, move, training mode, fp32,
+    torch.rand inputs, allclose(atol=rtol=1e-4), at PyTorch's default precision."""
+    module = PROBLEMS[number]
+    init = module.get_init_inputs()
+    torch.manual_seed(42)
+    ref = module.Model(*init).to(CUDA)
+    torch.manual_seed(42)
+    new = module.ModelNew(*init).to(CUDA)
+    assert new.training and ref.training and new.precision is None
+    for trial in range(trials):
+        torch.manual_seed(trial)
+        (x,) = [t.to(CUDA) for t in module.get_inputs()]
+        assert fast_path_reason(new, x) is None
+        with torch.no_grad():
+            expected = ref(x)
+            if trial == 0:
+                assert _ran_split_gemm(lambda: new(x.clone()))
+                ref(x)  # keep the running statistics of both models in step
+            got = new(x)
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (
+            number, trial, (got - expected).abs().max().item())
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(new.bn, name), getattr(ref.bn, name),
+                                   atol=1e-4, rtol=1e-4)
+
+
+@hopper_only
+@pytest.mark.parametrize("number", [84, 39])
+def test_kernelbench_harness_default_precision(number):
+    assert torch.get_float32_matmul_precision() == "highest"
+    _harness(number)

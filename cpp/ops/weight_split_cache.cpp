@@ -11,10 +11,17 @@ namespace epifuse {
 namespace {
 
 struct Entry {
+  Entry(c10::StorageImpl* impl, const at::Tensor& w)
+      : storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl)),
+        offset(w.storage_offset()),
+        sizes(w.sizes().vec()),
+        strides(w.strides().vec()),
+        version(w._version()) {}
+
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  int64_t offset = 0;
+  int64_t offset;
   std::vector<int64_t> sizes, strides;
-  uint32_t version = 0;
+  uint32_t version;
   at::Tensor split;  // undefined until two calls in a row saw `version`
 };
 
@@ -48,14 +55,7 @@ at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaSt
   });
   if (it == entries.end()) {  // first sight: remember the version, split in the workspace this time
     if (entries.size() == kMaxEntries) entries.erase(entries.begin());
-    Entry e;
-    e.storage = c10::weak_intrusive_ptr<c10::StorageImpl>(
-        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
-    e.offset = w.storage_offset();
-    e.sizes = w.sizes().vec();
-    e.strides = w.strides().vec();
-    e.version = version;
-    entries.push_back(std::move(e));
+    entries.emplace_back(storage, w);
     return {};
   }
   if (it->version != version) {  // written since: a weight in training, not worth keeping

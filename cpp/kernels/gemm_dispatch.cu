@@ -118,7 +118,7 @@ uint32_t sm90::split3xtf32_promotion_interval() {
   static const uint32_t interval = [] {
     const char* v = std::getenv("EPIFUSE_3XTF32_PROMOTION");
     const long n = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
-    return n >= 2 && n % 2 == 0 && n <= 1024 ? uint32_t(n) : sm90::kDefaultPromotionInterval;
+    return n >= 1 && n <= 1024 ? uint32_t(n) : sm90::kDefaultPromotionInterval;
   }();
   return interval;
 }

@@ -59,7 +59,7 @@ using Split3xTf32Mainloop = cutlass::gemm::collective::CollectiveMma<
     typename Built::SmemCopyAtomB, typename Built::TransformB>;
 
 // Promotion interval of the 3xTF32 mainloop in K-tiles of 16 k: kDefaultPromotionInterval, or
-// EPIFUSE_3XTF32_PROMOTION (an even number >= 2) to measure others (gemm_dispatch.cu reads it once).
+// EPIFUSE_3XTF32_PROMOTION (>= 1) to measure others (gemm_dispatch.cu reads it once).
 uint32_t split3xtf32_promotion_interval();
 
 // Fusion is an EVT from epilogues.hpp, instantiated for Config's tile shape and output type.

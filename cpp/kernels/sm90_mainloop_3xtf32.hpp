@@ -164,7 +164,7 @@ struct CollectiveMma<
     bool ok = cutlass::detail::check_alignment<kAlign>(cute::make_shape(M, K, L), StrideA{}) &&
               cutlass::detail::check_alignment<kAlign>(cute::make_shape(N, K, L), StrideB{});
     ok = ok && K % size<2>(TileShape{}) == 0;  // whole hi/lo blocks (split_tf32 pads K)
-    ok = ok && args.promotion_interval >= 2 && args.promotion_interval % 2 == 0;  // staggered halves
+    ok = ok && args.promotion_interval >= 1;
     if (!ok) CUTLASS_TRACE_HOST("  CAN IMPLEMENT: 3xTF32 operands not in the split layout.\n");
     return ok;
   }

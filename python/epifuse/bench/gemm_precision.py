@@ -126,6 +126,28 @@ def rows(problems: list[int], promotions: list[int], reps: int) -> list[dict]:
     return result
 
 
+def error_sweep(ks: list[int], m: int, n: int, seeds: int = 3) -> list[dict]:
+    """Error vs float64 of SGEMM and of this process's 3xTF32 GEMM at each K (x and x + 100)."""
+    from epifuse import ops
+
+    device = torch.device("cuda")
+    out = []
+    for k in ks:
+        for offset in (0.0, OFFSET):
+            errs = {"sgemm": [], "3xtf32": []}
+            for seed in range(seeds):
+                x, w = _operands(m, k, n, seed=seed + 17 * k, device=device)
+                x = x + offset
+                ref = x.double() @ w.double().t()
+                torch.backends.cuda.matmul.allow_tf32 = False
+                errs["sgemm"].append(_rel_err(torch.mm(x, w.t()), ref))
+                one, zero = torch.ones(n, device=device), torch.zeros(n, device=device)
+                errs["3xtf32"].append(_rel_err(ops.gemm_affine(x, w, one, zero, "3xtf32"), ref))
+            out.append({"K": k, "offset": offset, "M": m, "N": n,
+                        **{key: max(v) for key, v in errs.items()}})
+    return out
+
+
 def markdown(table: list[dict]) -> str:
     lines = ["| problem | GEMM (M x K -> N) | implementation | ms | TFLOP/s | rel. error vs fp64 | "
              "same, x + 100 |", "|:--|:--|:--|--:|--:|--:|--:|"]
@@ -145,11 +167,19 @@ def main(argv=None) -> int:
                     help="also time 3xTF32 at these promotion intervals (K-tiles of 16 k)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--error-sweep", type=int, nargs="*", metavar="K",
+                    help="only the error of SGEMM and 3xTF32 at these K (M = N = 1024)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("epifuse.bench.gemm_precision: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.error_sweep:
+        for r in error_sweep(args.error_sweep, 1024, 1024):
+            ratio = r["3xtf32"] / r["sgemm"]
+            print(f"K={r['K']:6d} offset={r['offset']:5.0f}  sgemm {r['sgemm']:.2e}  "
+                  f"3xtf32 {r['3xtf32']:.2e}  ratio {ratio:.2f}")
+        return 0
     if args.child:
         print(json.dumps(measure(args.child, args.problems[0], args.reps)))
         return 0

@@ -23,7 +23,7 @@ from ..nn import BATCH_NORMS, FusedLinearBatchNorm
 from ..precision import validate_precision
 from .chain import FusedChain
 from .graph import match_chains, rewrite
-from .report import Fused, FuseReport, Skipped
+from .report import Fused, FuseReport, Skipped  # noqa: F401  (re-exported)
 
 # Set on a module whose forward fuse() replaced: its FusedChains (which are not submodules,
 # so that containers such as nn.Sequential keep their length and indices).
@@ -65,9 +65,8 @@ def _fuse_traced(module: nn.Module, path: str, precision: Optional[str],
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                 f"its submodules were searched instead"))
         return False
-    matches, skipped = match_chains(module, graph)
-    prefix = f"{path}." if path else ""
-    report.skipped.extend(Skipped(prefix + s.where, s.reason) for s in skipped)
+    matches, skipped = match_chains(module, graph, f"{path}." if path else "")
+    report.skipped.extend(skipped)
     if not matches:
         return True
     chains, fused = rewrite(module, graph, matches, precision)
@@ -78,7 +77,7 @@ def _fuse_traced(module: nn.Module, path: str, precision: Optional[str],
     # calls it. It is bound to the GraphModule, which pickles and deep-copies with the model.
     module.forward = traced.forward
     setattr(module, HEADS_ATTR, tuple(chains.values()))
-    report.fused.extend(Fused(prefix + f.where, f.note) for f in fused)
+    report.fused.extend(fused)
     return True
 
 

@@ -35,15 +35,17 @@ class Match:
     scale_position: str = "after_bn"
     softmax_dim: Optional[int] = None
     notes: list[str] = field(default_factory=list)
+    prefix: str = ""  # the traced module's path in the model, for the report
 
     @property
     def where(self) -> str:
-        parts = [self.linear]
+        p = self.prefix
+        parts = [p + self.linear]
         if self.scale and self.scale_position == "before_bn":
-            parts.append(f"* {self.scale}")
-        parts.append(self.bn)
+            parts.append(f"* {p}{self.scale}")
+        parts.append(p + self.bn)
         if self.scale and self.scale_position == "after_bn":
-            parts.append(f"* {self.scale}")
+            parts.append(f"* {p}{self.scale}")
         if self.softmax_dim is not None:
             parts.append(f"softmax(dim={self.softmax_dim})")
         return " -> ".join(parts)
@@ -109,7 +111,7 @@ def _bn_problem(bn: nn.Module, n: int) -> Optional[str]:
 
 
 def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Node,
-                skipped: list[Skipped]) -> Optional[Match]:
+                skipped: list[Skipped], prefix: str) -> Optional[Match]:
     linear = modules[lin_node.target]
     n = linear.out_features
 
@@ -124,7 +126,7 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
 
     if len(lin_node.users) > 1:
         if reaches_bn(lin_node):
-            skipped.append(Skipped(lin_node.target, f"the Linear's output has "
+            skipped.append(Skipped(prefix + lin_node.target, f"the Linear's output has "
                                    f"{len(lin_node.users)} consumers; fusing would drop the "
                                    f"value the others read"))
         return None
@@ -136,7 +138,7 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
         after_mul = _sole_user(user)
         if after_mul is None:
             if reaches_bn(lin_node):
-                skipped.append(Skipped(lin_node.target, f"the scaled output has "
+                skipped.append(Skipped(prefix + lin_node.target, f"the scaled output has "
                                        f"{len(user.users)} consumers"))
             return None
         cur, user = user, after_mul
@@ -145,10 +147,10 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
         return None
     problem = _bn_problem(bn, n)
     if problem is not None:
-        skipped.append(Skipped(f"{lin_node.target} -> {user.target}", problem))
+        skipped.append(Skipped(f"{prefix}{lin_node.target} -> {prefix}{user.target}", problem))
         return None
     match = Match([lin_node] + ([cur] if cur is not lin_node else []) + [user], lin_node.target,
-                  user.target, scale, "before_bn" if scale else "after_bn")
+                  user.target, scale, "before_bn" if scale else "after_bn", prefix=prefix)
     cur = user
     nxt = _sole_user(cur)
     if nxt is not None and scale is None:
@@ -170,8 +172,12 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
     return match
 
 
-def match_chains(root: nn.Module, graph: fx.Graph) -> tuple[list[Match], list[Skipped]]:
-    """Every fusable chain of ``graph`` (traced from ``root``) and the near misses."""
+def match_chains(root: nn.Module, graph: fx.Graph,
+                 prefix: str = "") -> tuple[list[Match], list[Skipped]]:
+    """Every fusable chain of ``graph`` (traced from ``root``) and the near misses.
+
+    ``prefix`` (root's path in the model, with a trailing dot) prefixes the report's names.
+    """
     modules = dict(root.named_modules())
     matches: list[Match] = []
     skipped: list[Skipped] = []
@@ -181,7 +187,7 @@ def match_chains(root: nn.Module, graph: fx.Graph) -> tuple[list[Match], list[Sk
             continue
         if not (len(node.args) == 1 and not node.kwargs):
             continue
-        match = _match_from(root, modules, node, skipped)
+        match = _match_from(root, modules, node, skipped, prefix)
         if match is not None:
             matches.append(match)
     return matches, skipped

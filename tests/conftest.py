@@ -60,3 +60,25 @@ def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False,
                      help="epifuse: also run the long randomized tests "
                           "(same as EPIFUSE_LONG_TESTS=1)")
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """The names of the epifuse ops head.py calls (through epifuse.ops), in order.
+
+    With ``fused_on_cpu`` this is how a CPU test proves the fused path ran:
+    the reference path calls none of them.
+    """
+    from epifuse import ops
+
+    calls: list[str] = []
+    for name in ("gemm_affine", "gemm_colstats", "bn_fold_train", "bn_fold_eval",
+                 "affine_softmax", "affine_softmax_", "affine_"):
+        real = getattr(ops, name)
+
+        def wrapper(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(ops, name, wrapper)
+    return calls

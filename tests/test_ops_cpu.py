@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from epifuse import fold, ops
+from epifuse import ops
 from op_samples import DTYPES, all_cases, op, samples
 
 CASES = [pytest.param(name, d, i, id=f"{name}-{d}-{i}") for name, d, i in all_cases()]
@@ -54,19 +54,32 @@ def test_gemm_colstats_cpu_values():
     torch.testing.assert_close(s2, (z64 ** 2).sum(0))
 
 
-def test_bn_fold_train_cpu_mutates_running_stats():
-    (colsum, colsumsq, m, bias, gamma, beta, pre, post, rm, rv, nbt, mom, eps) = \
-        samples("cpu", torch.float32)["bn_fold_train"][0]
-    rm0, rv0 = rm.clone(), rv.clone()
-    a, c = ops.bn_fold_train(colsum, colsumsq, m, bias, gamma, beta, pre, post, rm, rv, nbt,
-                             mom, eps)
+@pytest.mark.parametrize("position", ["pre", "post"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["mom0.1", "momNone"])
+def test_bn_fold_train_cpu_matches_batchnorm1d(momentum, position):
+    """Against nn.BatchNorm1d in float64 (not fold.py, which the CPU kernel itself calls)."""
+    g = torch.Generator().manual_seed(3)
+    m, n = 7, 5
+    z = torch.randn(m, n, generator=g, dtype=torch.float64) * 3 + 2
+    bias, gamma, beta = (torch.randn(n, generator=g) for _ in range(3))
+    scale = torch.rand(n, generator=g) + 0.5
+    bn = torch.nn.BatchNorm1d(n, momentum=momentum).double()
+    with torch.no_grad():
+        bn.weight.copy_(gamma), bn.bias.copy_(beta)
+        bn.running_mean.copy_(torch.randn(n, generator=g)), bn.running_var.uniform_(0.5, 2)
+        bn.num_batches_tracked.fill_(4)
+    rm, rv, nbt = bn.running_mean.float(), bn.running_var.float(), bn.num_batches_tracked.clone()
+    pre, post = (scale, None) if position == "pre" else (None, scale)
+    a, c = ops.bn_fold_train(z.sum(0), (z * z).sum(0), m, bias, gamma, beta, pre, post, rm, rv,
+                             nbt, momentum, bn.eps)
+    u = (z + bias.double()) * (scale.double() if pre is not None else 1)
+    with torch.no_grad():
+        expected = bn.train()(u) * (scale.double() if post is not None else 1)
     assert a.dtype == c.dtype == torch.float32
-    f = fold.fold_train(colsum, colsumsq, m, bias, gamma, beta, pre, post, eps)
-    torch.testing.assert_close(a, f.a.float())
-    torch.testing.assert_close(c, f.c.float())
-    torch.testing.assert_close(rm, (0.9 * rm0.double() + 0.1 * f.mean).float())
-    torch.testing.assert_close(rv, (0.9 * rv0.double() + 0.1 * f.var * m / (m - 1)).float())
-    assert nbt.item() == 4
+    torch.testing.assert_close(a.double() * z + c.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rm, bn.running_mean.float())
+    torch.testing.assert_close(rv, bn.running_var.float())
+    assert nbt.item() == bn.num_batches_tracked.item() == 5
 
 
 def test_bn_fold_eval_cpu_values():

@@ -13,7 +13,9 @@ from . import distributed, head, problems  # noqa: E402
 from .distributed import convert_sync_batchnorm  # noqa: E402
 from .functional import softmax  # noqa: E402
 from .head import fast_path_reason  # noqa: E402
+from . import nn  # noqa: E402  (epifuse.nn: FusedLinearBatchNorm)
+from .fusion import FuseReport, fuse  # noqa: E402
 from .problems.gemm_bn_scale_softmax import ModelNew  # noqa: E402
 
-__all__ = ["ModelNew", "convert_sync_batchnorm", "distributed", "fast_path_reason", "fold",
-           "head", "ops", "precision", "problems", "softmax"]
+__all__ = ["FuseReport", "ModelNew", "convert_sync_batchnorm", "distributed", "fast_path_reason",
+           "fold", "fuse", "head", "nn", "ops", "precision", "problems", "softmax"]

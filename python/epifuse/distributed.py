@@ -29,6 +29,7 @@ ranks on the fused path.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -71,16 +72,45 @@ def convert_sync_batchnorm(module: nn.Module,
     alone: convert them with ``nn.SyncBatchNorm.convert_sync_batchnorm``,
     which can also be applied to the whole model, epifuse heads included
     (a head whose ``bn`` is an ``nn.SyncBatchNorm`` synchronizes over its
-    ``process_group``).
+    ``process_group``). Warns (UserWarning) when the model holds no epifuse
+    head, naming the BatchNorm layers it found instead.
     """
-    for m in module.modules():
-        if _is_head(m):
-            configure_sync_batchnorm(m, True, process_group)
+    converted = 0
+    for head_module in _heads(module):
+        configure_sync_batchnorm(head_module, True, process_group)
+        converted += 1
+    if converted == 0:
+        warnings.warn(_nothing_converted_message(module), UserWarning, stacklevel=2)
     return module
 
 
 def _is_head(module: nn.Module) -> bool:
     return isinstance(getattr(module, "sync_batchnorm", None), bool) and hasattr(module, "bn")
+
+
+def _heads(module: nn.Module):
+    """Every epifuse head in module: submodules, and the chains epifuse.fuse attached to a
+    module's forward (``_epifuse_heads``: not submodules, so containers keep their indices)."""
+    seen: set[int] = set()
+    for m in module.modules():
+        for h in (m, *m.__dict__.get("_epifuse_heads", ())):
+            if id(h) not in seen and _is_head(h):
+                seen.add(id(h))
+                yield h
+
+
+def _nothing_converted_message(module: nn.Module) -> str:
+    """Names the BatchNorm layers found (if any), since the user probably expected them."""
+    norms = [(name or "<root>", type(m).__name__) for name, m in module.named_modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase)]
+    found = ("it holds no BatchNorm layer" if not norms else
+             "it holds " + ", ".join(f"{kind} '{name}'" for name, kind in norms[:5])
+             + (f" and {len(norms) - 5} more" if len(norms) > 5 else "")
+             + ", none of them in an epifuse head")
+    return (f"epifuse.convert_sync_batchnorm converted nothing: {type(module).__name__} contains "
+            f"no epifuse head ({found}). Run epifuse.fuse(model) first to turn "
+            f"Linear -> BatchNorm1d chains into heads, or use "
+            f"nn.SyncBatchNorm.convert_sync_batchnorm for plain BatchNorm layers.")
 
 
 _NOT_REQUESTED = object()

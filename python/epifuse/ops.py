@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import fold
+from . import op_checks as _checks
 
 OP_NAMES = (
     "epifuse::gemm_affine",
@@ -28,8 +29,6 @@ OP_NAMES = (
     "epifuse::affine_softmax_",
     "epifuse::affine_",
 )
-
-_PRECISIONS = ("ieee", "3xtf32", "tf32", "")
 
 _ops = torch.ops.epifuse
 # OpOverloads bound once: calling .default skips the overload-packet lookup.
@@ -120,11 +119,6 @@ def affine_(z: Tensor, a: Tensor, c: Tensor) -> None:
 _F64 = torch.float64
 
 
-def _check_precision(precision: str) -> None:
-    if precision not in _PRECISIONS:
-        raise ValueError(f"epifuse: precision must be one of {_PRECISIONS}, got {precision!r}")
-
-
 def _affine64(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> Tensor:
     y = z.to(_F64)
     if a is not None:
@@ -134,23 +128,21 @@ def _affine64(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> Tensor:
     return y
 
 
-def _gemm64(x: Tensor, weight: Tensor) -> Tensor:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        # RuntimeError, as the CUDA kernels (and torch.mm) raise for mismatched operands.
-        raise RuntimeError(f"epifuse: expected x [M, K] and weight [N, K], got "
-                           f"{tuple(x.shape)} and {tuple(weight.shape)}")
+def _gemm64(x: Tensor, weight: Tensor) -> Tensor:  # callers checked the operands
     return x.to(_F64) @ weight.to(_F64).T
 
 
 @torch.library.register_kernel("epifuse::gemm_affine", "cpu")
 def _gemm_affine_cpu(x, weight, a, c, precision):
-    _check_precision(precision)
+    _checks.check_gemm(x, weight, precision, "gemm_affine")
+    _checks.check_column_vector(a, weight.shape[0], "gemm_affine", "a")
+    _checks.check_column_vector(c, weight.shape[0], "gemm_affine", "c")
     return _affine64(_gemm64(x, weight), a, c).to(x.dtype)
 
 
 @torch.library.register_kernel("epifuse::gemm_colstats", "cpu")
 def _gemm_colstats_cpu(x, weight, precision):
-    _check_precision(precision)
+    _checks.check_gemm(x, weight, precision, "gemm_colstats")
     z64 = _gemm64(x, weight)
     colsum, colsumsq = fold.column_stats(z64)
     return z64.to(x.dtype), colsum, colsumsq
@@ -165,6 +157,9 @@ def _matmul_nt_cpu(a, b, precision):
 @torch.library.register_kernel("epifuse::bn_fold_train", "cpu")
 def _bn_fold_train_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale,
                        running_mean, running_var, num_batches_tracked, momentum, eps):
+    _checks.check_fold(bias, gamma, beta, pre_scale, post_scale, eps, "bn_fold_train")
+    _checks.check_fold_train(colsum, colsumsq, count, gamma, running_mean, running_var,
+                             num_batches_tracked, momentum)
     f = fold.fold_train(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps)
     fold.update_running_stats(running_mean, running_var, num_batches_tracked, f.mean, f.var,
                               count, momentum)
@@ -173,28 +168,34 @@ def _bn_fold_train_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, po
 
 @torch.library.register_kernel("epifuse::bn_fold_eval", "cpu")
 def _bn_fold_eval_cpu(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps):
+    _checks.check_fold(bias, gamma, beta, pre_scale, post_scale, eps, "bn_fold_eval")
+    _checks.check_running(running_mean, "running_mean", gamma, "bn_fold_eval")
+    _checks.check_running(running_var, "running_var", gamma, "bn_fold_eval")
     f = fold.fold_eval(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps)
     return f.a.float(), f.c.float()
 
 
-def _affine_softmax64(z, a, c):
-    if z.dim() != 2:
-        raise RuntimeError(f"epifuse: expected a 2-D tensor, got {z.dim()}-D")
+def _affine_softmax64(z, a, c, op):
+    _checks.check_matrix(z, op)
+    _checks.check_optional_affine(z, a, c, op)
     return torch.softmax(_affine64(z, a, c), dim=1)
 
 
 @torch.library.register_kernel("epifuse::affine_softmax", "cpu")
 def _affine_softmax_cpu(z, a, c):
-    return _affine_softmax64(z, a, c).to(z.dtype)
+    return _affine_softmax64(z, a, c, "affine_softmax").to(z.dtype)
 
 
 @torch.library.register_kernel("epifuse::affine_softmax_", "cpu")
 def _affine_softmax_inplace_cpu(z, a, c):
-    z.copy_(_affine_softmax64(z, a, c))
+    z.copy_(_affine_softmax64(z, a, c, "affine_softmax_"))
 
 
 @torch.library.register_kernel("epifuse::affine_", "cpu")
 def _affine_inplace_cpu(z, a, c):
+    _checks.check_matrix(z, "affine_")
+    _checks.check_column_vector(a, z.shape[1], "affine_", "a")
+    _checks.check_column_vector(c, z.shape[1], "affine_", "c")
     z.copy_(_affine64(z, a, c))
 
 

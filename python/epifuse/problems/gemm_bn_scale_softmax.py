@@ -12,6 +12,7 @@ import torch.nn as nn
 from epifuse.distributed import configure_sync_batchnorm
 from epifuse.head import HeadSpec, run_head
 from epifuse.precision import validate_precision
+from epifuse.scripting import NotScriptable
 
 
 class Model(nn.Module):
@@ -35,14 +36,15 @@ class Model(nn.Module):
 _SPEC = HeadSpec(scale_before_bn=False, softmax=True)
 
 
-class ModelNew(Model):
+class ModelNew(NotScriptable, Model):
     """Model with the fused epifuse forward; identical parameters and state_dict.
 
     ``precision`` ("ieee" | "3xtf32" | "tf32" | None) is the fp32 GEMM policy; None follows
     torch.get_float32_matmul_precision() at call time. ``sync_batchnorm=True``
     synchronizes the batch statistics over ``process_group`` (default: the
     whole world) in data-parallel training, as nn.SyncBatchNorm does; see
-    epifuse.distributed.
+    epifuse.distributed. ``torch.jit.script`` raises (see epifuse.scripting); use
+    torch.compile.
     """
 
     def __init__(self, in_features, out_features, bn_eps=1e-5, bn_momentum=0.1, scale_shape=(1,),

@@ -1,0 +1,130 @@
+"""``epifuse.fuse(model)``: run the Linear -> BatchNorm heads of any model on the fused path.
+
+The model's forward is traced with ``torch.fx`` (``nn.Sequential`` and
+custom modules alike; nested modules are traced through). Every
+``Linear -> [x scale] -> BatchNorm1d -> [x scale] -> [softmax(dim=1|-1)]``
+chain found is replaced, in the traced forward, by one ``FusedChain`` call
+(``fusion.chain``), and the model's ``forward`` becomes that traced forward.
+
+Nothing else about the model changes: same class, same submodules, same
+parameter and buffer objects, so ``state_dict()`` keys and values, optimizers
+built before or after, hooks and ``train()``/``eval()``/``to()`` keep working.
+A module whose forward cannot be traced (data-dependent control flow) is
+left as is and its children are tried one by one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import fx, nn
+
+from ..nn import BATCH_NORMS, FusedLinearBatchNorm
+from ..precision import validate_precision
+from .chain import FusedChain
+from .graph import match_chains, rewrite
+from .report import Fused, FuseReport, Skipped  # noqa: F401  (re-exported)
+
+# Set on a module whose forward fuse() replaced: its FusedChains (which are not submodules,
+# so that containers such as nn.Sequential keep their length and indices).
+HEADS_ATTR = "_epifuse_heads"
+
+
+class _Tracer(fx.Tracer):
+    """fx's default tracer, with epifuse heads and already-fused modules as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, (FusedLinearBatchNorm, FusedChain)) or HEADS_ATTR in m.__dict__:
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+def _has_candidates(module: nn.Module) -> bool:
+    """Whether a Linear and a BatchNorm1d both live under module (worth reporting)."""
+    kinds = {type(m) for m in module.modules()}
+    return any(issubclass(k, nn.Linear) for k in kinds) and any(
+        issubclass(k, BATCH_NORMS) for k in kinds)
+
+
+def _is_builtin_leaf(module: nn.Module) -> bool:
+    # torch.nn's own layers (not containers): nothing of ours can be inside them.
+    return module.__module__.startswith("torch.nn") and not isinstance(
+        module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+
+
+def _fuse_traced(module: nn.Module, path: str, precision: Optional[str],
+                 report: FuseReport) -> bool:
+    """Trace module and fuse its chains; False if it cannot be traced."""
+    try:
+        graph = _Tracer().trace(module)
+    except Exception as e:  # noqa: BLE001 - fx raises many types for untraceable code
+        if _has_candidates(module) and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            report.skipped.append(Skipped(
+                path or type(module).__name__,
+                f"{type(module).__name__}.forward cannot be traced by torch.fx "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                f"its submodules were searched instead"))
+        return False
+    matches, skipped = match_chains(module, graph, f"{path}." if path else "")
+    report.skipped.extend(skipped)
+    if not matches:
+        return True
+    chains, fused = rewrite(module, graph, matches, precision)
+    targets = {node.target for node in graph.nodes if node.op in ("call_module", "get_attr")}
+    attrs = {t: chains[t] if t in chains else _lookup(module, t) for t in targets}
+    traced = fx.GraphModule(attrs, graph, class_name=f"{type(module).__name__}Fused")
+    # The instance attribute shadows the class's forward; nn.Module.__call__ (hooks included)
+    # calls it. It is bound to the GraphModule, which pickles and deep-copies with the model.
+    module.forward = traced.forward
+    setattr(module, HEADS_ATTR, tuple(chains.values()))
+    report.fused.extend(fused)
+    return True
+
+
+def _lookup(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _fuse(module: nn.Module, path: str, precision: Optional[str], report: FuseReport) -> None:
+    if _is_builtin_leaf(module) or isinstance(module, (FusedLinearBatchNorm, FusedChain)):
+        return
+    if HEADS_ATTR in module.__dict__:
+        report.skipped.append(Skipped(path or type(module).__name__, "already fused"))
+        return
+    is_container = isinstance(module, (nn.ModuleList, nn.ModuleDict))  # no forward of their own
+    if not is_container and _fuse_traced(module, path, precision, report):
+        return
+    for name, child in module.named_children():
+        _fuse(child, f"{path}.{name}" if path else name, precision, report)
+
+
+def fuse(model: nn.Module, *, precision: Optional[str] = None) -> tuple[nn.Module, FuseReport]:
+    """Fuse every ``Linear -> BatchNorm1d [-> scale] [-> softmax]`` chain of ``model``, in place.
+
+    A chain is an ``nn.Linear`` whose output feeds only an ``nn.BatchNorm1d``
+    (or ``nn.SyncBatchNorm``) with ``affine=True`` and ``track_running_stats=True``,
+    optionally multiplied before or after the BatchNorm by a parameter or
+    buffer of shape ``(1,)`` or ``(out_features,)``, and optionally followed
+    by a softmax over dim 1 or -1 (``nn.Softmax``, ``torch.softmax``,
+    ``F.softmax``, ``Tensor.softmax``).
+
+    Returns ``(model, report)``: the same model object, and a ``FuseReport``
+    listing the chains fused and the near misses left with their reason.
+    ``precision`` is the fp32 GEMM policy of the fused heads (as ``ModelNew``'s).
+
+    The fused forward is ``torch.fx``'s trace of the original one: Python-level
+    branches (``if self.training:``, flags) are fixed as they were at fuse time,
+    as with any fx transform. Fuse again after changing the model's structure.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"epifuse.fuse expects an nn.Module, got {type(model).__name__}")
+    precision = validate_precision(precision)
+    report = FuseReport()
+    _fuse(model, "", precision, report)
+    return model, report
+
+
+__all__ = ["FuseReport", "Fused", "FusedChain", "HEADS_ATTR", "Skipped", "fuse"]

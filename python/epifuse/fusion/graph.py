@@ -1,0 +1,228 @@
+"""Finding ``Linear -> [x scale] -> BatchNorm1d -> [x scale] -> [softmax]`` in an fx graph.
+
+``match_chains`` walks a traced graph from every ``nn.Linear`` call and
+returns the chains it can fuse plus the near misses (a BatchNorm without
+affine parameters, a Linear output used twice, ...) with the reason.
+``rewrite`` replaces each matched run of nodes by one call of a FusedChain.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from ..nn import BATCH_NORMS
+from .chain import FusedChain, slot_of
+from .report import Fused, Skipped
+
+_MULS = (operator.mul, torch.mul)
+_SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax)
+
+
+@dataclass
+class Match:
+    """A fusable chain: its nodes in graph order and where its parts live."""
+
+    nodes: list[fx.Node]
+    linear: str  # call_module targets
+    bn: str
+    scale: Optional[str] = None  # get_attr target
+    scale_position: str = "after_bn"
+    softmax_dim: Optional[int] = None
+    notes: list[str] = field(default_factory=list)
+    prefix: str = ""  # the traced module's path in the model, for the report
+
+    @property
+    def where(self) -> str:
+        p = self.prefix
+        parts = [p + self.linear]
+        if self.scale and self.scale_position == "before_bn":
+            parts.append(f"* {p}{self.scale}")
+        parts.append(p + self.bn)
+        if self.scale and self.scale_position == "after_bn":
+            parts.append(f"* {p}{self.scale}")
+        if self.softmax_dim is not None:
+            parts.append(f"softmax(dim={self.softmax_dim})")
+        return " -> ".join(parts)
+
+
+def _sole_user(node: fx.Node) -> Optional[fx.Node]:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _module(modules: dict[str, nn.Module], node: fx.Node) -> Optional[nn.Module]:
+    return modules.get(node.target) if node.op == "call_module" else None
+
+
+def _only_input(node: fx.Node, source: fx.Node) -> bool:
+    """node is called on ``source`` alone (``module(source)``)."""
+    return node.args == (source,) and not node.kwargs
+
+
+def _scale_target(root: nn.Module, node: fx.Node, source: fx.Node, n: int) -> Optional[str]:
+    """If node is ``source * t`` / ``t * source`` for a module tensor t of shape (1,) or (n,),
+    the get_attr target of t."""
+    is_mul = ((node.op == "call_function" and node.target in _MULS)
+              or (node.op == "call_method" and node.target == "mul"))
+    if not is_mul or node.kwargs or len(node.args) != 2 or source not in node.args:
+        return None
+    other = node.args[1] if node.args[0] is source else node.args[0]
+    if not isinstance(other, fx.Node) or other.op != "get_attr" or other is source:
+        return None
+    slot = slot_of(root, other.target)
+    value = slot.get()
+    if isinstance(value, Tensor) and value.dim() == 1 and value.numel() in (1, n):
+        return other.target
+    return None
+
+
+def _softmax_dim(modules: dict[str, nn.Module], node: fx.Node, source: fx.Node):
+    """(is a softmax of source, its dim) for nn.Softmax, torch/F.softmax, Tensor.softmax."""
+    module = _module(modules, node)
+    if isinstance(module, nn.Softmax) and _only_input(node, source):
+        return True, module.dim
+    is_call = ((node.op == "call_function" and node.target in _SOFTMAX_FUNCTIONS)
+               or (node.op == "call_method" and node.target == "softmax"))
+    if not is_call or not node.args or node.args[0] is not source:
+        return False, None
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "_stacklevel"}
+    if kwargs.get("dtype") is not None or len(node.args) > 2 or set(kwargs) - {"dim", "dtype"}:
+        return False, None  # a dtype-casting softmax is not the head's
+    dim = node.args[1] if len(node.args) == 2 else kwargs.get("dim")
+    return True, dim
+
+
+def _bn_problem(bn: nn.Module, n: int) -> Optional[str]:
+    if not isinstance(bn, BATCH_NORMS):
+        return None  # not a BatchNorm1d at all: not a candidate, nothing to report
+    if not bn.affine:
+        return "BatchNorm has affine=False (the fold needs its weight and bias)"
+    if not bn.track_running_stats:
+        return "BatchNorm has track_running_stats=False (eval needs running statistics)"
+    if bn.num_features != n:
+        return f"BatchNorm has {bn.num_features} features, the Linear {n}"
+    return None
+
+
+def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Node,
+                skipped: list[Skipped], prefix: str) -> Optional[Match]:
+    linear = modules[lin_node.target]
+    n = linear.out_features
+
+    def reaches_bn(node: fx.Node) -> bool:  # node, or node * scale, feeds a BatchNorm
+        for user in node.users:
+            if isinstance(_module(modules, user), BATCH_NORMS):
+                return True
+            if _scale_target(root, user, node, n) and any(
+                    isinstance(_module(modules, u), BATCH_NORMS) for u in user.users):
+                return True
+        return False
+
+    if len(lin_node.users) > 1:
+        if reaches_bn(lin_node):
+            skipped.append(Skipped(prefix + lin_node.target, f"the Linear's output has "
+                                   f"{len(lin_node.users)} consumers; fusing would drop the "
+                                   f"value the others read"))
+        return None
+    cur, user = lin_node, _sole_user(lin_node)
+    if user is None:
+        return None
+    scale = _scale_target(root, user, cur, n)
+    if scale is not None:
+        after_mul = _sole_user(user)
+        if after_mul is None:
+            if reaches_bn(lin_node):
+                skipped.append(Skipped(prefix + lin_node.target, f"the scaled output has "
+                                       f"{len(user.users)} consumers"))
+            return None
+        cur, user = user, after_mul
+    bn = _module(modules, user)
+    if not isinstance(bn, BATCH_NORMS) or not _only_input(user, cur):
+        return None
+    problem = _bn_problem(bn, n)
+    if problem is not None:
+        skipped.append(Skipped(f"{prefix}{lin_node.target} -> {prefix}{user.target}", problem))
+        return None
+    match = Match([lin_node] + ([cur] if cur is not lin_node else []) + [user], lin_node.target,
+                  user.target, scale, "before_bn" if scale else "after_bn", prefix=prefix)
+    cur = user
+    nxt = _sole_user(cur)
+    if nxt is not None and scale is None:
+        post = _scale_target(root, nxt, cur, n)
+        if post is not None:
+            match.scale, match.scale_position = post, "after_bn"
+            match.nodes.append(nxt)
+            cur, nxt = nxt, _sole_user(nxt)
+    if nxt is not None:
+        is_softmax, dim = _softmax_dim(modules, nxt, cur)
+        if is_softmax and dim in (1, -1):
+            match.softmax_dim = dim
+            match.nodes.append(nxt)
+        elif is_softmax:
+            match.notes.append(f"softmax over dim {dim} left unfused (only the feature "
+                               f"dimension, 1 or -1, fuses)")
+    elif len(cur.users) > 1:
+        match.notes.append(f"output used by {len(cur.users)} consumers; any softmax left unfused")
+    return match
+
+
+def match_chains(root: nn.Module, graph: fx.Graph,
+                 prefix: str = "") -> tuple[list[Match], list[Skipped]]:
+    """Every fusable chain of ``graph`` (traced from ``root``) and the near misses.
+
+    ``prefix`` (root's path in the model, with a trailing dot) prefixes the report's names.
+    """
+    modules = dict(root.named_modules())
+    matches: list[Match] = []
+    skipped: list[Skipped] = []
+    for node in graph.nodes:
+        module = _module(modules, node)
+        if not isinstance(module, nn.Linear) or isinstance(module, nn.modules.lazy.LazyModuleMixin):
+            continue
+        if not (len(node.args) == 1 and not node.kwargs):
+            continue
+        match = _match_from(root, modules, node, skipped, prefix)
+        if match is not None:
+            matches.append(match)
+    return matches, skipped
+
+
+def rewrite(root: nn.Module, graph: fx.Graph, matches: list[Match],
+            precision: Optional[str]) -> tuple[dict[str, nn.Module], list[Fused]]:
+    """Replace each match in ``graph`` by a call of a new FusedChain.
+
+    Returns the chains by the attribute name the graph calls them under, and
+    the report entries.
+    """
+    chains: dict[str, nn.Module] = {}
+    fused: list[Fused] = []
+    for i, m in enumerate(matches):
+        name = f"epifuse_head_{i}"
+        chains[name] = FusedChain(slot_of(root, m.linear), slot_of(root, m.bn),
+                                  slot_of(root, m.scale) if m.scale else None, m.scale_position,
+                                  m.softmax_dim, precision, m.where)
+        first, last = m.nodes[0], m.nodes[-1]
+        with graph.inserting_after(last):
+            call = graph.call_module(name, args=first.args)
+        last.replace_all_uses_with(call)
+        scale_reads = [a for node in m.nodes for a in node.args
+                       if isinstance(a, fx.Node) and a.op == "get_attr"]
+        for node in reversed(m.nodes):
+            graph.erase_node(node)
+        # Only the scale reads: a general dead-code pass would also drop module calls whose
+        # output is unused but whose side effects (running statistics) are not.
+        for node in scale_reads:
+            if not node.users:
+                graph.erase_node(node)
+        fused.append(Fused(m.where, "; ".join(m.notes)))
+    graph.lint()
+    return chains, fused
+
+
+__all__ = ["Match", "match_chains", "rewrite"]

@@ -1,0 +1,144 @@
+"""Argument checks of the ops' CPU kernels: those of the CUDA ops (cpp/ops/ops.cpp).
+
+The CPU kernels are the executable spec of the CUDA ones, so they must also
+refuse what the CUDA ops refuse (an int or float64 parameter, a float32
+colsum, an int32 step counter, a wrong length), with the same exception type
+and message; otherwise code tested on CPU fails only on the GPU.
+TORCH_CHECK is a RuntimeError and TORCH_CHECK_VALUE a ValueError.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TYPE_NAMES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
+               torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
+               torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool"}
+
+
+def type_name(dtype: torch.dtype) -> str:
+    """c10's name of a dtype ('Float', 'Long', ...), as the C++ messages print it."""
+    return _TYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _sizes(t: Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_kernel_dtype(t: Tensor, op: str) -> None:
+    if t.dtype not in _KERNEL_DTYPES:
+        raise RuntimeError(f"epifuse::{op} not implemented for '{type_name(t.dtype)}' "
+                           f"(expected Float, Half or BFloat16)")
+
+
+def check_precision(precision: str, dtype: torch.dtype, op: str) -> None:
+    if precision not in ("ieee", "3xtf32", "tf32", ""):
+        raise ValueError(f"epifuse::{op}: precision must be 'ieee', '3xtf32', 'tf32' or '' "
+                         f"(16-bit inputs), got '{precision}'")
+    if dtype == torch.float32 and precision == "":
+        raise ValueError(f"epifuse::{op}: float32 inputs need precision 'ieee', '3xtf32' or "
+                         f"'tf32'")
+
+
+def check_gemm(x: Tensor, weight: Tensor, precision: str, op: str) -> None:
+    if x.dim() != 2:
+        raise RuntimeError(f"epifuse::{op}: expected x to be 2-D [M, K], got {x.dim()}-D")
+    if weight.dim() != 2:
+        raise RuntimeError(f"epifuse::{op}: expected weight to be 2-D [N, K], got "
+                           f"{weight.dim()}-D")
+    if x.dtype != weight.dtype:
+        raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got "
+                           f"{type_name(x.dtype)} and {type_name(weight.dtype)}")
+    if x.shape[1] != weight.shape[1]:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({x.shape[0]}x"
+                           f"{x.shape[1]} and {weight.shape[1]}x{weight.shape[0]})")
+    check_kernel_dtype(x, op)
+    check_precision(precision, x.dtype, op)
+
+
+def check_column_vector(v: Tensor, n: int, op: str, name: str) -> None:
+    if v.dtype != torch.float32:
+        raise RuntimeError(f"epifuse::{op}: expected {name} to be float32, got "
+                           f"{type_name(v.dtype)}")
+    if v.dim() != 1 or v.shape[0] != n:
+        raise RuntimeError(f"epifuse::{op}: expected {name} of shape [{n}], got {_sizes(v)}")
+
+
+def check_matrix(z: Tensor, op: str) -> None:
+    if z.dim() != 2:
+        raise RuntimeError(f"epifuse::{op}: expected a 2-D tensor, got {z.dim()}-D")
+    check_kernel_dtype(z, op)
+
+
+def check_optional_affine(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], op: str) -> None:
+    if (a is None) != (c is None):
+        raise RuntimeError(f"epifuse::{op}: pass both a and c, or neither (plain softmax)")
+    if a is not None:
+        check_column_vector(a, z.shape[1], op, "a")
+        check_column_vector(c, z.shape[1], op, "c")
+
+
+def check_fold(bias: Optional[Tensor], gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
+               post_scale: Optional[Tensor], eps: float, op: str) -> None:
+    """prepare_fold: the parameter vectors share gamma's dtype, are contiguous, [N] or scales."""
+    if gamma.dim() != 1:
+        raise RuntimeError(f"epifuse::{op}: expected gamma to be 1-D, got {_sizes(gamma)}")
+    n = gamma.shape[0]
+
+    def param(t: Optional[Tensor], name: str, scale: bool) -> None:
+        if t is None:
+            return
+        if t.dtype != gamma.dtype:
+            raise RuntimeError(f"epifuse::{op}: expected {name} to have dtype "
+                               f"{type_name(gamma.dtype)} like gamma, got {type_name(t.dtype)}")
+        if not t.is_contiguous():
+            raise RuntimeError(f"epifuse::{op}: expected {name} to be contiguous")
+        if scale and not (t.numel() == 1 or (t.dim() == 1 and t.numel() == n)):
+            raise RuntimeError(f"epifuse::{op}: expected {name} to have 1 or {n} elements (one "
+                               f"per column), got shape {_sizes(t)}")
+        if not scale and not (t.dim() == 1 and t.numel() == n):
+            raise RuntimeError(f"epifuse::{op}: expected {name} of shape [{n}], got {_sizes(t)}")
+
+    param(gamma, "gamma", False)
+    param(beta, "beta", False)
+    param(bias, "bias", False)
+    param(pre_scale, "pre_scale", True)
+    param(post_scale, "post_scale", True)
+    if not eps >= 0:
+        raise ValueError(f"epifuse::{op}: eps must be non-negative, got {eps:f}")
+    check_kernel_dtype(gamma, op)
+
+
+def check_running(t: Tensor, name: str, gamma: Tensor, op: str) -> None:
+    if t.dtype != gamma.dtype:
+        raise RuntimeError(f"epifuse::{op}: expected {name} to have dtype "
+                           f"{type_name(gamma.dtype)} like gamma, got {type_name(t.dtype)}")
+    if not (t.is_contiguous() and t.dim() == 1 and t.shape[0] == gamma.shape[0]):
+        raise RuntimeError(f"epifuse::{op}: expected {name} to be a contiguous "
+                           f"[{gamma.shape[0]}] tensor, got {_sizes(t)}")
+
+
+def check_fold_train(colsum: Tensor, colsumsq: Tensor, count: int, gamma: Tensor,
+                     running_mean: Tensor, running_var: Tensor, num_batches_tracked: Tensor,
+                     momentum: Optional[float], op: str = "bn_fold_train") -> None:
+    """bn_fold_train's checks after check_fold, in the CUDA op's order."""
+    if count <= 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got {count} "
+                         f"rows")
+    n = gamma.shape[0]
+    for s in (colsum, colsumsq):
+        if not (s.dtype == torch.float64 and s.is_contiguous() and s.dim() == 1
+                and s.shape[0] == n):
+            raise RuntimeError(f"epifuse::{op}: expected colsum and colsumsq to be contiguous "
+                               f"float64 [{n}] tensors, got {type_name(s.dtype)} {_sizes(s)}")
+    check_running(running_mean, "running_mean", gamma, op)
+    check_running(running_var, "running_var", gamma, op)
+    if num_batches_tracked.dtype != torch.int64 or num_batches_tracked.numel() != 1:
+        raise RuntimeError(f"epifuse::{op}: expected num_batches_tracked to be a one-element "
+                           f"int64 tensor")
+    if momentum is not None and not 0 <= momentum <= 1:
+        raise ValueError(f"epifuse::{op}: momentum must be in [0, 1] or None, got {momentum:f}")

@@ -1,0 +1,222 @@
+"""epifuse.fuse and epifuse.nn.FusedLinearBatchNorm on CPU.
+
+Forwards run the fused op sequence through the ops' CPU kernels
+(``fused_on_cpu``) and ``op_calls`` proves it ran; the unfused deep copy of
+the same model is the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import epifuse
+from epifuse import head
+from epifuse.nn import FusedLinearBatchNorm
+from fuse_models import IN, OUT, Custom, NearMisses, Untraceable, randomize_bn_, sequential
+from helpers import rel_err
+
+TRAIN_OPS = ["gemm_colstats", "bn_fold_train"]
+EVAL_OPS = ["bn_fold_eval", "gemm_affine"]
+
+
+def _fused_pair(build):
+    torch.manual_seed(0)
+    model = randomize_bn_(build())
+    original = copy.deepcopy(model)
+    fused, report = epifuse.fuse(model)
+    assert fused is model
+    return original, model, report
+
+
+def _run_both(original, model, training, steps=3):
+    g = torch.Generator().manual_seed(1)
+    original.train(training), model.train(training)
+    with torch.no_grad():
+        for _ in range(steps):
+            x = torch.rand(16, IN, generator=g)
+            assert rel_err(model(x), original(x)) < 1e-5
+    for (name, a), (_, b) in zip(model.state_dict().items(), original.state_dict().items()):
+        assert rel_err(a, b) < 1e-5, name
+
+
+def test_sequential_chains_are_fused(fused_on_cpu, op_calls):
+    original, model, report = _fused_pair(sequential)
+    assert [f.where for f in report.fused] == ["0 -> 1", "3.0 -> 3.1 -> softmax(dim=1)"]
+    assert report.skipped == []
+    assert type(model) is nn.Sequential and len(model) == 4  # indices and length unchanged
+    _run_both(original, model, training=True)
+    assert op_calls == (TRAIN_OPS + ["affine_"] + TRAIN_OPS + ["affine_softmax_"]) * 3
+    op_calls.clear()
+    _run_both(original, model, training=False)
+    assert op_calls == (EVAL_OPS + EVAL_OPS + ["affine_softmax_"]) * 3
+
+
+def test_custom_module_with_scales_is_fused(fused_on_cpu, op_calls):
+    original, model, report = _fused_pair(Custom)
+    assert [f.where for f in report.fused] == [
+        "proj -> * gain -> norm", "out -> out_norm -> * temperature -> softmax(dim=-1)"]
+    assert isinstance(model, Custom)
+    for training in (True, False):
+        _run_both(original, model, training)
+    assert op_calls.count("gemm_colstats") == op_calls.count("gemm_affine") == 6
+
+
+def test_near_misses_are_reported_and_left_alone(fused_on_cpu, op_calls):
+    original, model, report = _fused_pair(NearMisses)
+    reasons = {s.where: s.reason for s in report.skipped}
+    assert "2 consumers" in reasons["shared"]
+    assert "affine=False" in reasons["plain -> plain_bn"]
+    assert [(f.where, "dim 0" in f.note) for f in report.fused] == [("cols -> cols_bn", True)]
+    for training in (True, False):
+        _run_both(original, model, training)
+    assert op_calls.count("gemm_colstats") == op_calls.count("gemm_affine") == 3
+    assert "affine_softmax_" not in op_calls  # the dim-0 softmax stayed torch.softmax
+    assert "fused cols -> cols_bn" in str(report) and "left  shared" in str(report)
+
+
+def test_untraceable_module_is_searched_inside(fused_on_cpu, op_calls):
+    original, model, report = _fused_pair(Untraceable)
+    assert [f.where for f in report.fused] == ["head.0 -> head.1"]
+    assert "cannot be traced" in report.skipped[0].reason
+    _run_both(original, model, training=True)
+    assert op_calls == (TRAIN_OPS + ["affine_"]) * 3
+
+
+@pytest.mark.parametrize("build", [sequential, Custom], ids=["sequential", "custom"])
+def test_state_dict_and_optimizer_keep_the_same_tensors(build, fused_on_cpu, op_calls):
+    torch.manual_seed(0)
+    model = build()
+    params = dict(model.named_parameters())
+    state = model.state_dict(keep_vars=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {k: v.detach().clone() for k, v in state.items()}
+    epifuse.fuse(model)
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(state)
+    assert all(after[k] is state[k] for k in state)
+    assert dict(model.named_parameters()) == params  # same names, same Parameter objects
+    model(torch.rand(16, IN)).square().sum().backward()
+    assert op_calls[:2] == TRAIN_OPS
+    optimizer.step()
+    for name, p in params.items():  # the optimizer's tensors are the ones the fused path read
+        assert p.grad is not None and not torch.equal(p.detach(), before[name]), name
+    for key in ("running_mean", "num_batches_tracked"):
+        k = next(k for k in state if k.endswith(key))
+        assert not torch.equal(state[k], before[k])
+        assert model.state_dict(keep_vars=True)[k] is state[k]
+    # And a state_dict saved from the unfused model loads strictly into the fused one.
+    model.load_state_dict(build().state_dict())
+
+
+def test_gradients_through_fused_chain(fused_on_cpu):
+    original, model, _ = _fused_pair(Custom)
+    x = torch.rand(16, IN, requires_grad=True)
+    y_new, y_ref = model(x), original(x)
+    w = torch.randn_like(y_ref)
+    g_new = torch.autograd.grad((y_new * w).sum(), [x, *model.parameters()])
+    g_ref = torch.autograd.grad((y_ref * w).sum(), [x, *original.parameters()])
+    # assert_close, not rel_err: the Linear biases' gradients are 0 up to rounding (BatchNorm
+    # removes any per-column shift), so only their absolute error means anything.
+    for a, b in zip(g_new, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_fused_model_copies(how, fused_on_cpu, op_calls):
+    original, model, _ = _fused_pair(Custom)
+    clone = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+    head_ = clone._epifuse_heads[0]
+    assert head_.gemm is clone.proj and head_.bn is clone.norm and head_.scale is clone.gain
+    with torch.no_grad():
+        x = torch.rand(16, IN)
+        assert rel_err(clone.eval()(x), original.eval()(x)) < 1e-5
+    assert op_calls.count("gemm_affine") == 2
+
+
+def test_fuse_twice_and_bad_arguments():
+    _, model, _ = _fused_pair(sequential)
+    assert epifuse.fuse(model)[1].skipped[0].reason == "already fused"
+    with pytest.raises(TypeError, match="nn.Module"):
+        epifuse.fuse(lambda x: x)
+    with pytest.raises(ValueError, match="precision"):
+        epifuse.fuse(sequential(), precision="fp64")
+
+
+def test_convert_sync_batchnorm_warns_when_nothing_converts():
+    plain = nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT))
+    with pytest.warns(UserWarning, match=r"converted nothing.*BatchNorm1d '1'.*epifuse.fuse"):
+        epifuse.convert_sync_batchnorm(plain)
+    with pytest.warns(UserWarning, match="holds no BatchNorm layer"):
+        epifuse.convert_sync_batchnorm(nn.Linear(2, 2))
+    epifuse.fuse(plain)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        epifuse.convert_sync_batchnorm(plain)
+    assert plain._epifuse_heads[0].sync_batchnorm is True
+
+
+# --------------------------------------------------------------------------- FusedLinearBatchNorm
+
+@pytest.mark.parametrize("position,softmax", [("after_bn", True), ("before_bn", False),
+                                              (None, True)])
+def test_fused_linear_batchnorm_module(position, softmax, fused_on_cpu, op_calls):
+    torch.manual_seed(0)
+    linear, bn = nn.Linear(IN, OUT), randomize_bn_(nn.BatchNorm1d(OUT))
+    scale = nn.Parameter(torch.rand(OUT) + 0.5) if position else None
+    module = FusedLinearBatchNorm(linear, bn, scale, scale_position=position or "after_bn",
+                                  softmax=softmax, precision="tf32")
+    assert module.gemm is linear and module.bn is bn and (scale is None or module.scale is scale)
+    keys = {f"gemm.{k}" for k in linear.state_dict()} | {f"bn.{k}" for k in bn.state_dict()}
+    assert set(module.state_dict()) == keys | ({"scale"} if scale is not None else set())
+
+    def reference(x):
+        y = linear(x) * (scale if position == "before_bn" else 1)
+        y = bn(y) * (scale if position == "after_bn" else 1)
+        return torch.softmax(y, 1) if softmax else y
+
+    x = torch.rand(16, IN)
+    assert epifuse.fast_path_reason(module, x) is None
+    with torch.no_grad():
+        expected = reference(x)  # updates bn's running statistics once ...
+        bn.num_batches_tracked.sub_(1)  # ... rewound so that the fused call sees the same state
+        assert rel_err(module(x), expected) < 1e-5
+    assert op_calls[:2] == TRAIN_OPS
+    assert "precision=tf32" in repr(module)
+
+
+def test_fused_linear_batchnorm_rejects_bad_parts():
+    lin, bn = nn.Linear(IN, OUT), nn.BatchNorm1d(OUT)
+    with pytest.raises(TypeError, match="nn.Linear"):
+        FusedLinearBatchNorm(nn.Identity(), bn)
+    with pytest.raises(TypeError, match="BatchNorm1d"):
+        FusedLinearBatchNorm(lin, nn.BatchNorm2d(OUT))
+    with pytest.raises(ValueError, match=f"9 features.*out_features={OUT}"):
+        FusedLinearBatchNorm(lin, nn.BatchNorm1d(9))
+    with pytest.raises(ValueError, match="affine=True"):
+        FusedLinearBatchNorm(lin, nn.BatchNorm1d(OUT, affine=False))
+    with pytest.raises(ValueError, match=r"shape \(1,\) or \(8,\)"):
+        FusedLinearBatchNorm(lin, bn, torch.ones(3))
+    with pytest.raises(ValueError, match="scale_position"):
+        FusedLinearBatchNorm(lin, bn, torch.ones(1), scale_position="middle")
+    with pytest.raises(TypeError, match="softmax must be a bool"):
+        FusedLinearBatchNorm(lin, bn, softmax=1)
+    with pytest.raises(ValueError, match="precision"):
+        FusedLinearBatchNorm(lin, bn, precision="fp64")
+    with pytest.raises(RuntimeError, match="cannot be compiled with torch.jit.script"):
+        torch.jit.script(FusedLinearBatchNorm(lin, bn))
+
+
+def test_fused_linear_batchnorm_reference_path_is_the_modules(fused_on_cpu, op_calls):
+    torch.manual_seed(0)
+    lin, bn = nn.Linear(IN, OUT), nn.BatchNorm1d(OUT)
+    module = FusedLinearBatchNorm(lin, bn, softmax=True).double()
+    x = torch.rand(16, IN, dtype=torch.float64)
+    assert "dtype" in head.fast_path_reason(module, x)
+    expected = torch.softmax(copy.deepcopy(bn)(copy.deepcopy(lin)(x)), 1)
+    assert torch.equal(module(x), expected) and op_calls == []

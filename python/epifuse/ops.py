@@ -257,7 +257,7 @@ def _affine_inplace_cpu(z, a, c):
 def _affine_cpu(z, a, c):
     if z.dim() != 2:
         raise RuntimeError(f"epifuse: expected a 2-D tensor, got {z.dim()}-D")
-    return _affine64(z, a, c).to(z.dtype)
+    return _affine64(z, a, c).to(z.dtype).contiguous()  # the CUDA kernel's layout
 
 
 @torch.library.register_kernel("epifuse::bn_fold_batch", "cpu")
@@ -319,7 +319,7 @@ def _head_grad_coefficients_cpu(sums, global_sums, colsum, colsumsq, moments, bi
 @torch.library.register_kernel("epifuse::head_grad_z", "cpu")
 def _head_grad_z_cpu(grad, out, rowdot, z, coef):
     _check_grad_operands(grad, z, out)
-    return fold.grad_z(*_dv_inputs(grad, out, rowdot), z, *coef.unbind(0)).to(z.dtype)
+    return fold.grad_z(*_dv_inputs(grad, out, rowdot), z, *coef.unbind(0)).to(z.dtype).contiguous()
 
 
 @torch.library.register_kernel("epifuse::backward_matmul", "cpu")

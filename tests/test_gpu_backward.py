@@ -180,20 +180,16 @@ def test_compile_fullgraph_training_step(number):
     oracle = float64_twin(ref).train()
     new.train()
 
-    def step(model, x, w):
-        y = model(x)
-        loss = (y * w).sum()
-        loss.backward()
-        return loss.detach()
-
-    compiled = torch.compile(step, fullgraph=True)
+    # fullgraph forward; AOTAutograd compiles the backward graph (the fused backward's ops) with it.
+    compiled = torch.compile(new, fullgraph=True)
     x = torch.rand(64, 256, device=CUDA)
     w = torch.randn(64, 128, device=CUDA)
-    compiled(new, x, w)
-    step(oracle, x.double(), w.double())
+    (compiled(x) * w).sum().backward()
+    (oracle(x.double()) * w.double()).sum().backward()
     for name in PARAMS:
         p, q = new.get_parameter(name), oracle.get_parameter(name)
-        floor = oracle.gemm.weight.grad.norm().item() if name in ("gemm.bias", "scale") else 0.0
+        vanishing = name == "gemm.bias" or (number == 39 and name == "scale")
+        floor = oracle.gemm.weight.grad.norm().item() if vanishing else 0.0
         assert _err(p.grad, q.grad, floor) <= 1e-4, name
     assert new.bn.num_batches_tracked.item() == 1
 

@@ -14,6 +14,10 @@ from epifuse.problems import gemm_scale_bn as p39
 
 PROBLEMS = {84: p84, 39: p39}
 
+# The autograd node of epifuse::fused_head (its register_autograd backward): a gradient whose
+# grad_fn is this came from the fused backward.
+FUSED_NODE = "GeneratedBackwardFor_epifuse_fused_head_defaultBackward"
+
 
 def init_args(number: int, in_f: int, out_f: int, scale_shape=None, *, eps: float = 1e-5,
               momentum: Optional[float] = 0.1) -> list:

@@ -30,6 +30,21 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
     def stats():
         return t(n), t(n, lo=0.5, hi=2.0), torch.tensor(3, device=device)
 
+    # Backward operands: a gradient, a softmax output, its row term, column sums of dv (S1, S3,
+    # rows), the forward's moments [mean, var, rows] and rank-summed normalized sums.
+    grad = t(m, n)
+    out = torch.softmax(t(m, n, dt=torch.float64), dim=1).to(device, dtype)
+    rowdot = (grad.double() * out.double()).sum(1).float()
+    f64 = torch.float64
+
+    def with_rows(v, rows):
+        return torch.cat([v, torch.tensor([float(rows)], dtype=f64, device=device)])
+
+    sums = with_rows(t(2 * n, dt=f64), m)
+    global_sums = with_rows(t(2 * n, dt=f64), 3 * m)
+    moments = with_rows(torch.cat([t(n, dt=f64), t(n, lo=0.5, hi=2.0, dt=f64)]), m)
+    coef = t(3, n, dt=torch.float32)
+
     prec = _precision(dtype)
     return {
         "gemm_affine": [(x, w, a, c, prec)],
@@ -47,6 +62,20 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
         "affine_softmax": [(z, a, c), (z, None, None)],
         "affine_softmax_": [(z.clone(), a, c), (z.clone(), None, None)],
         "affine_": [(z.clone(), a, c)],
+        "affine": [(z, a, c), (z.t().contiguous().t(), a, c)],
+        "bn_fold_batch": [
+            (colsum, colsumsq, m, bias, gamma, beta, None, s1, 1e-5),
+            (colsum, colsumsq, m, None, gamma, beta, sn, None, 1e-3),
+        ],
+        "softmax_grad_rowdot": [(grad, out)],
+        "head_grad_sums": [(grad, out, rowdot, z), (grad, None, None, z)],
+        "head_grad_coefficients": [
+            (sums, None, colsum, colsumsq, moments, bias, gamma, beta, None, s1, True, 1e-5),
+            (sums, global_sums, colsum, colsumsq, moments, None, gamma, beta, sn, None, True, 1e-5),
+            (sums, None, None, None, moments, bias, gamma, beta, s1, sn, False, 1e-3),
+        ],
+        "head_grad_z": [(grad, out, rowdot, z, coef), (grad, None, None, z, coef)],
+        "backward_matmul": [(z, t(n, k), prec), (z.t(), x, prec)],
     }
 
 

@@ -1,7 +1,8 @@
 // The BatchNorm fold: per-column (a, c) with y = a[n] * z[m, n] + c[n], where z = x . W^T and
 //   y = post_scale * BatchNorm(pre_scale * (z + bias)),   BatchNorm(u) = gamma * (u - mu) * invstd + beta.
 // Training mode takes mu / var from the batch (colsum, colsumsq over `count` rows) and updates the
-// running statistics as nn.BatchNorm1d does; eval mode reads the running statistics.
+// running statistics as nn.BatchNorm1d does (bn_fold_batch: writes the batch moments instead, for the
+// backward, and leaves the running statistics alone); eval mode reads the running statistics.
 // python/epifuse/fold.py is the reference for this math; tests hold this kernel to it.
 //
 // One thread per column over as many blocks as the columns need (the fold is a few fp64 divisions
@@ -19,36 +20,23 @@ namespace {
 constexpr int kFoldThreads = 256;          // per block, one column per thread
 constexpr int kCumulativeThreads = 1024;   // the single block of momentum=None training
 
-__device__ __forceinline__ double load(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ double load(const __half* p, int64_t i) { return __half2float(p[i]); }
-__device__ __forceinline__ double load(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ void store(float* p, int64_t i, double v) { p[i] = float(v); }
-__device__ __forceinline__ void store(__half* p, int64_t i, double v) { p[i] = __double2half(v); }
-__device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, double v) {
-  p[i] = __float2bfloat16_rn(float(v));
-}
-
-template <class P>
-__device__ __forceinline__ double load_or(const void* p, int64_t numel, int64_t n, double fallback) {
-  if (p == nullptr) return fallback;
-  return load(static_cast<const P*>(p), numel == 1 ? 0 : n);
-}
-
 template <class P>
 __global__ void __launch_bounds__(kCumulativeThreads)
 bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* __restrict__ colsumsq,
                int64_t count, P* running_mean, P* running_var, int64_t* num_batches_tracked,
-               double momentum, bool training) {
+               double momentum, bool training, double* moments) {
+  // Null running statistics in training: bn_fold_batch, which writes `moments` instead.
+  const bool update = training && running_mean != nullptr;
   // momentum None: cumulative average over the batches seen, counting this one.
   const double factor =
-      (training && momentum < 0) ? 1.0 / double(*num_batches_tracked + 1) : momentum;
+      (update && momentum < 0) ? 1.0 / double(*num_batches_tracked + 1) : momentum;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < f.N; n += stride) {
     const double bias = load_or<P>(f.bias, f.N, n, 0.0);
     const double pre = load_or<P>(f.pre_scale, f.pre_scale_numel, n, 1.0);
     const double post = load_or<P>(f.post_scale, f.post_scale_numel, n, 1.0);
-    const double gamma = load(static_cast<const P*>(f.gamma), n);
-    const double beta = load(static_cast<const P*>(f.beta), n);
+    const double gamma = load_param(static_cast<const P*>(f.gamma), n);
+    const double beta = load_param(static_cast<const P*>(f.beta), n);
     double mu, invstd;
     if (training) {
       const double mean_z = colsum[n] / double(count);
@@ -59,17 +47,24 @@ bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* _
       mu = pre * (mean_z + bias);
       const double var_u = pre * pre * var_z;  // biased, as BatchNorm normalizes with
       invstd = 1.0 / sqrt(var_u + f.eps);
-      const double unbiased = var_u * double(count) / double(count - 1);
-      store(running_mean, n, (1.0 - factor) * load(running_mean, n) + factor * mu);
-      store(running_var, n, (1.0 - factor) * load(running_var, n) + factor * unbiased);
+      if (update) {
+        const double unbiased = var_u * double(count) / double(count - 1);
+        store_param(running_mean, n, (1.0 - factor) * load_param(running_mean, n) + factor * mu);
+        store_param(running_var, n, (1.0 - factor) * load_param(running_var, n) + factor * unbiased);
+      }
+      if (moments != nullptr) {
+        moments[n] = mu;
+        moments[f.N + n] = var_u;
+      }
     } else {
-      mu = load(running_mean, n);
-      invstd = 1.0 / sqrt(load(running_var, n) + f.eps);
+      mu = load_param(running_mean, n);
+      invstd = 1.0 / sqrt(load_param(running_var, n) + f.eps);
     }
     f.a[n] = float(post * gamma * invstd * pre);
     f.c[n] = float(post * (gamma * invstd * (pre * bias - mu) + beta));
   }
-  if (training) {
+  if (moments != nullptr && blockIdx.x == 0 && threadIdx.x == 0) moments[2 * f.N] = double(count);
+  if (update) {
     // momentum=None: the launch is one block, and the barrier orders every read of the counter
     // before the increment. Otherwise nothing reads it and block 0 increments it once.
     if (momentum < 0) __syncthreads();
@@ -79,18 +74,18 @@ bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* _
 
 void launch(const FoldProblem& f, const double* colsum, const double* colsumsq, int64_t count,
             void* running_mean, void* running_var, int64_t* num_batches_tracked, double momentum,
-            bool training, cudaStream_t stream) {
+            bool training, double* moments, cudaStream_t stream) {
   if (f.N == 0 && !training) return;
   dispatch_dtype(f.param_dtype, [&](auto tag) {
     using P = decltype(tag);
-    const bool cumulative = training && momentum < 0;
+    const bool cumulative = training && running_mean != nullptr && momentum < 0;
     const int64_t blocks = cumulative ? 1 : std::max<int64_t>((f.N + kFoldThreads - 1) / kFoldThreads, 1);
     const int threads = cumulative ? kCumulativeThreads : kFoldThreads;
     bn_fold_kernel<P><<<unsigned(std::min<int64_t>(blocks, 65535)), threads, 0, stream>>>(
         f, colsum, colsumsq, count, static_cast<P*>(running_mean), static_cast<P*>(running_var),
-        num_batches_tracked, momentum, training);
+        num_batches_tracked, momentum, training, moments);
   });
-  check_launch(training ? "bn_fold_train" : "bn_fold_eval");
+  check_launch(!training ? "bn_fold_eval" : moments ? "bn_fold_batch" : "bn_fold_train");
 }
 
 }  // namespace
@@ -99,13 +94,19 @@ void bn_fold_train(const FoldProblem& f, const double* colsum, const double* col
                    void* running_mean, void* running_var, int64_t* num_batches_tracked,
                    double momentum, cudaStream_t stream) {
   launch(f, colsum, colsumsq, count, running_mean, running_var, num_batches_tracked, momentum,
-         /*training=*/true, stream);
+         /*training=*/true, /*moments=*/nullptr, stream);
+}
+
+void bn_fold_batch(const FoldProblem& f, const double* colsum, const double* colsumsq,
+                   int64_t count, double* moments, cudaStream_t stream) {
+  launch(f, colsum, colsumsq, count, nullptr, nullptr, nullptr, 0.0, /*training=*/true, moments,
+         stream);
 }
 
 void bn_fold_eval(const FoldProblem& f, const void* running_mean, const void* running_var,
                   cudaStream_t stream) {
   launch(f, nullptr, nullptr, 0, const_cast<void*>(running_mean), const_cast<void*>(running_var),
-         nullptr, 0.0, /*training=*/false, stream);
+         nullptr, 0.0, /*training=*/false, /*moments=*/nullptr, stream);
 }
 
 }  // namespace epifuse

@@ -1,6 +1,7 @@
-// z[m, n] = a[n] * z[m, n] + c[n] in place: the training-mode epilogue of a head without softmax,
-// applied once the batch statistics (and so a, c) are known. One read and one write per element,
-// 16-byte vectors when the rows allow it.
+// out[m, n] = a[n] * in[m, n] + c[n], in place (in == out) or into a new tensor: the training-mode
+// epilogue of a head without softmax, applied once the batch statistics (and so a, c) are known (out
+// of place when the backward keeps z). One read and one write per element, 16-byte vectors when the
+// rows allow it.
 // Each thread owns one vector of columns for a band of rows: it loads its kVec (a, c) pairs once
 // and then streams the band with kUnroll loads in flight, so the pass is bound by DRAM bandwidth
 // rather than by per-element parameter loads or index arithmetic.
@@ -16,8 +17,9 @@ constexpr int kUnroll = 4;
 
 template <class T, int kVec>
 __global__ void __launch_bounds__(256)
-column_affine_kernel(int64_t M, int64_t N, T* z, int64_t ld, const float* __restrict__ a,
-                     const float* __restrict__ c, int64_t rows_per_block) {
+column_affine_kernel(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+                     const float* __restrict__ a, const float* __restrict__ c,
+                     int64_t rows_per_block) {
   using V = Vec16<T>;
   const int64_t col0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
   if (col0 >= N) return;  // kVec > 1 implies N % kVec == 0
@@ -29,21 +31,22 @@ column_affine_kernel(int64_t M, int64_t N, T* z, int64_t ld, const float* __rest
   }
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
   const int64_t r1 = std::min<int64_t>(M, r0 + rows_per_block);
-  T* base = z + col0;
+  const T* src = in + col0;
+  T* dst = out + col0;
   auto load = [&](int64_t r, T (&v)[kVec]) {
     if constexpr (kVec > 1) {
-      *reinterpret_cast<V*>(v) = *reinterpret_cast<const V*>(base + r * ld);
+      *reinterpret_cast<V*>(v) = *reinterpret_cast<const V*>(src + r * ld_in);
     } else {
-      v[0] = base[r * ld];
+      v[0] = src[r * ld_in];
     }
   };
   auto apply_store = [&](int64_t r, T (&v)[kVec]) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[j] = from_float<T>(av[j] * to_float(v[j]) + cv[j]);
     if constexpr (kVec > 1) {
-      *reinterpret_cast<V*>(base + r * ld) = *reinterpret_cast<V*>(v);
+      *reinterpret_cast<V*>(dst + r * ld_out) = *reinterpret_cast<V*>(v);
     } else {
-      base[r * ld] = v[0];
+      dst[r * ld_out] = v[0];
     }
   };
   int64_t r = r0;
@@ -62,8 +65,8 @@ column_affine_kernel(int64_t M, int64_t N, T* z, int64_t ld, const float* __rest
 }
 
 template <class T, int kVec>
-void launch(int64_t M, int64_t N, T* z, int64_t ld, const float* a, const float* c,
-            cudaStream_t stream) {
+void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+            const float* a, const float* c, cudaStream_t stream) {
   const int64_t vecs = N / kVec;
   const int threads = int(std::min<int64_t>(256, (vecs + 31) / 32 * 32));
   const int64_t col_blocks = (vecs + threads - 1) / threads;
@@ -73,25 +76,33 @@ void launch(int64_t M, int64_t N, T* z, int64_t ld, const float* a, const float*
   const int64_t bands = std::min<int64_t>({want, (M + kUnroll - 1) / kUnroll, 65535});
   const int64_t rows_per_block = (M + bands - 1) / bands;
   const dim3 grid(unsigned(col_blocks), unsigned((M + rows_per_block - 1) / rows_per_block));
-  column_affine_kernel<T, kVec><<<grid, threads, 0, stream>>>(M, N, z, ld, a, c, rows_per_block);
+  column_affine_kernel<T, kVec><<<grid, threads, 0, stream>>>(M, N, in, ld_in, out, ld_out, a, c,
+                                                               rows_per_block);
 }
 
 }  // namespace
 
-void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
-                   const float* c, cudaStream_t stream) {
+void column_affine_into(DType dtype, int64_t M, int64_t N, const void* in, int64_t ld_in, void* out,
+                        int64_t ld_out, const float* a, const float* c, cudaStream_t stream) {
   if (M == 0 || N == 0) return;
   dispatch_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int kVec = Vec16<T>::kSize;
-    T* data = static_cast<T*>(z);
-    if (N % kVec == 0 && ld % kVec == 0 && is_aligned16(z)) {
-      launch<T, kVec>(M, N, data, ld, a, c, stream);
+    const T* src = static_cast<const T*>(in);
+    T* dst = static_cast<T*>(out);
+    if (N % kVec == 0 && ld_in % kVec == 0 && ld_out % kVec == 0 && is_aligned16(in) &&
+        is_aligned16(out)) {
+      launch<T, kVec>(M, N, src, ld_in, dst, ld_out, a, c, stream);
     } else {
-      launch<T, 1>(M, N, data, ld, a, c, stream);
+      launch<T, 1>(M, N, src, ld_in, dst, ld_out, a, c, stream);
     }
   });
   check_launch("column_affine");
+}
+
+void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
+                   const float* c, cudaStream_t stream) {
+  column_affine_into(dtype, M, N, z, ld, z, ld, a, c, stream);
 }
 
 }  // namespace epifuse

@@ -34,6 +34,25 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(v);
 }
 
+// Parameter and statistics vectors (model dtype) read and written in the fp64 of the per-column math.
+__device__ __forceinline__ double load_param(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ double load_param(const __half* p, int64_t i) { return __half2float(p[i]); }
+__device__ __forceinline__ double load_param(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+__device__ __forceinline__ void store_param(float* p, int64_t i, double v) { p[i] = float(v); }
+__device__ __forceinline__ void store_param(__half* p, int64_t i, double v) { p[i] = __double2half(v); }
+__device__ __forceinline__ void store_param(__nv_bfloat16* p, int64_t i, double v) {
+  p[i] = __float2bfloat16_rn(float(v));
+}
+
+// Element n of an optional per-column parameter of `numel` 1 (broadcast) or N; fallback when absent.
+template <class P>
+__device__ __forceinline__ double load_or(const void* p, int64_t numel, int64_t n, double fallback) {
+  if (p == nullptr) return fallback;
+  return load_param(static_cast<const P*>(p), numel == 1 ? 0 : n);
+}
+
 // Calls fn with a value of the CUDA element type of `dtype` (only its type matters).
 template <class Fn>
 void dispatch_dtype(DType dtype, Fn&& fn) {

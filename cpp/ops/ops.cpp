@@ -8,6 +8,7 @@
 // CPU kernels and fake (meta) kernels are registered from Python (python/epifuse/ops.py), where the
 // reference math lives.
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -406,6 +407,34 @@ std::tuple<at::Tensor, at::Tensor> bn_fold_eval_cuda(
   return outputs;
 }
 
+void check_sums(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& ref,
+                const char* op) {
+  check_cuda(t, op, name, ref);
+  EPIFUSE_CHECK(t.scalar_type() == at::kDouble && t.is_contiguous() && t.dim() == 1 &&
+                    t.size(0) == numel,
+                "epifuse::", op, ": expected ", name, " to be a contiguous float64 [", numel,
+                "] tensor, got ", t.scalar_type(), " ", t.sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_fold_batch_cuda(
+    const at::Tensor& colsum, const at::Tensor& colsumsq, int64_t count,
+    const std::optional<at::Tensor>& bias, const at::Tensor& gamma, const at::Tensor& beta,
+    const std::optional<at::Tensor>& pre_scale, const std::optional<at::Tensor>& post_scale,
+    double eps) {
+  const char* op = "bn_fold_batch";
+  const auto guard = guard_for(gamma, op, "gamma");
+  FoldProblem f = prepare_fold(bias, gamma, beta, pre_scale, post_scale, eps, op);
+  EPIFUSE_CHECK_VALUE(count > 1, "Expected more than 1 value per channel when training, got ", count,
+                    " rows");
+  check_sums(colsum, "colsum", f.N, gamma, op);
+  check_sums(colsumsq, "colsumsq", f.N, gamma, op);
+  auto [a, c] = fold_outputs(gamma, f);
+  at::Tensor moments = at::empty({2 * f.N + 1}, gamma.options().dtype(at::kDouble));
+  bn_fold_batch(f, colsum.data_ptr<double>(), colsumsq.data_ptr<double>(), count,
+                moments.data_ptr<double>(), current_stream());
+  return {a, c, moments};
+}
+
 // ---- row passes ----------------------------------------------------------------------------
 
 struct AffinePair {
@@ -480,6 +509,204 @@ void affine_inplace_cuda(const at::Tensor& z, const at::Tensor& a, const at::Ten
   }
 }
 
+at::Tensor affine_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tensor& c) {
+  const char* op = "affine";
+  check_matrix(z, op);
+  const auto guard = guard_for(z, op, "z");
+  const at::Tensor a32 = column_vector(a, z.size(1), op, "a", z);
+  const at::Tensor c32 = column_vector(c, z.size(1), op, "c", z);
+  const at::Tensor src = rows_with_unit_stride(z);
+  at::Tensor out = at::empty(z.sizes(), z.options().memory_format(at::MemoryFormat::Contiguous));
+  column_affine_into(to_dtype(z, op), src.size(0), src.size(1), src.data_ptr(), src.stride(0),
+                     out.data_ptr(), std::max<int64_t>(out.size(1), 1), a32.data_ptr<float>(),
+                     c32.data_ptr<float>(), current_stream());
+  return out;
+}
+
+// ---- backward ------------------------------------------------------------------------------
+
+// The [M, N] operands of the backward passes, checked (one shape, dtype and device; out and rowdot
+// both or neither) and with unit column stride (a copy otherwise: an expanded gradient, e.g. of
+// y.sum(), has stride 0).
+struct PreparedGrad {
+  GradOperands o;
+  at::Tensor g, out, rowdot, z;  // keep the (possibly copied) operands alive
+};
+
+PreparedGrad prepare_grad(const at::Tensor& grad, const std::optional<at::Tensor>& out,
+                          const std::optional<at::Tensor>& rowdot, const at::Tensor& z,
+                          const char* op) {
+  EPIFUSE_CHECK(z.dim() == 2, "epifuse::", op, ": expected z to be 2-D [M, N], got ", z.dim(), "-D");
+  check_cuda(z, op, "z", z);
+  PreparedGrad p;
+  p.o.dtype = to_dtype(z, op);
+  auto check_like_z = [&](const at::Tensor& t, const char* name) {
+    check_cuda(t, op, name, z);
+    EPIFUSE_CHECK(t.scalar_type() == z.scalar_type(), "epifuse::", op, ": expected ", name,
+                  " to have dtype ", z.scalar_type(), " like z, got ", t.scalar_type());
+    EPIFUSE_CHECK(t.sizes() == z.sizes(), "epifuse::", op, ": expected ", name, " of shape ",
+                  z.sizes(), " like z, got ", t.sizes());
+  };
+  check_like_z(grad, "grad");
+  EPIFUSE_CHECK(out.has_value() == rowdot.has_value(), "epifuse::", op,
+                ": pass both out and rowdot (softmax heads), or neither");
+  p.o.M = z.size(0);
+  p.o.N = z.size(1);
+  p.g = rows_with_unit_stride(grad);
+  p.z = rows_with_unit_stride(z);
+  p.o.g = p.g.data_ptr();
+  p.o.ld_g = p.g.stride(0);
+  p.o.z = p.z.data_ptr();
+  p.o.ld_z = p.z.stride(0);
+  if (out) {
+    check_like_z(*out, "out");
+    p.rowdot = column_vector(*rowdot, p.o.M, op, "rowdot", z);
+    p.out = rows_with_unit_stride(*out);
+    p.o.out = p.out.data_ptr();
+    p.o.ld_out = p.out.stride(0);
+    p.o.rowdot = p.rowdot.data_ptr<float>();
+  }
+  return p;
+}
+
+at::Tensor softmax_grad_rowdot_cuda(const at::Tensor& grad, const at::Tensor& out) {
+  const char* op = "softmax_grad_rowdot";
+  EPIFUSE_CHECK(out.dim() == 2, "epifuse::", op, ": expected out to be 2-D [M, N], got ", out.dim(),
+                "-D");
+  const auto guard = guard_for(out, op, "out");
+  at::Tensor rowdot = at::empty({out.size(0)}, out.options().dtype(at::kFloat));
+  // prepare_grad takes (out, rowdot) together; rowdot is this op's output, so out stands as z.
+  PreparedGrad p = prepare_grad(grad, std::nullopt, std::nullopt, out, op);
+  p.o.out = p.o.z;
+  p.o.ld_out = p.o.ld_z;
+  softmax_grad_rowdot(p.o, rowdot.data_ptr<float>(), current_stream());
+  return rowdot;
+}
+
+at::Tensor head_grad_sums_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& out,
+                               const std::optional<at::Tensor>& rowdot, const at::Tensor& z) {
+  const char* op = "head_grad_sums";
+  EPIFUSE_CHECK(z.dim() == 2, "epifuse::", op, ": expected z to be 2-D [M, N], got ", z.dim(), "-D");
+  const auto guard = guard_for(z, op, "z");
+  const PreparedGrad p = prepare_grad(grad, out, rowdot, z, op);
+  if (p.o.N == 0) return at::full({1}, double(p.o.M), z.options().dtype(at::kDouble));
+  at::Tensor sums = at::empty({2 * p.o.N + 1}, z.options().dtype(at::kDouble));
+  head_grad_sums(p.o, sums.data_ptr<double>(), current_stream());
+  return sums;
+}
+
+// A parameter's gradient: its dtype and shape; an absent parameter gets an empty float32 tensor.
+at::Tensor param_grad(const std::optional<at::Tensor>& param, const at::Tensor& gamma) {
+  return param ? at::empty_like(*param, at::MemoryFormat::Contiguous)
+               : at::empty({0}, gamma.options().dtype(at::kFloat));
+}
+
+void* data_or_null(const std::optional<at::Tensor>& param, const at::Tensor& grad) {
+  return param ? grad.data_ptr() : nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+head_grad_coefficients_cuda(const at::Tensor& sums, const std::optional<at::Tensor>& global_sums,
+                            const std::optional<at::Tensor>& colsum,
+                            const std::optional<at::Tensor>& colsumsq, const at::Tensor& moments,
+                            const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
+                            const at::Tensor& beta, const std::optional<at::Tensor>& pre_scale,
+                            const std::optional<at::Tensor>& post_scale, bool training,
+                            double eps) {
+  const char* op = "head_grad_coefficients";
+  const auto guard = guard_for(gamma, op, "gamma");
+  GradCoefficientProblem p;
+  p.params = prepare_fold(bias, gamma, beta, pre_scale, post_scale, eps, op);
+  const int64_t N = p.params.N;
+  check_sums(sums, "sums", 2 * N + 1, gamma, op);
+  check_sums(moments, "moments", 2 * N + 1, gamma, op);
+  if (global_sums) check_sums(*global_sums, "global_sums", 2 * N + 1, gamma, op);
+  EPIFUSE_CHECK(!training || (colsum && colsumsq), "epifuse::", op,
+                ": training-mode coefficients need colsum and colsumsq");
+  if (training) {
+    check_sums(*colsum, "colsum", N, gamma, op);
+    check_sums(*colsumsq, "colsumsq", N, gamma, op);
+    p.colsum = colsum->data_ptr<double>();
+    p.colsumsq = colsumsq->data_ptr<double>();
+  }
+  p.training = training;
+  p.sums = sums.data_ptr<double>();
+  p.global_sums = global_sums ? global_sums->data_ptr<double>() : nullptr;
+  p.moments = moments.data_ptr<double>();
+  at::Tensor coef = at::empty({3, N}, gamma.options().dtype(at::kFloat));
+  at::Tensor g_bias = param_grad(bias, gamma), g_pre = param_grad(pre_scale, gamma);
+  at::Tensor g_post = param_grad(post_scale, gamma);
+  at::Tensor g_gamma = at::empty_like(gamma), g_beta = at::empty_like(beta);
+  p.coef = coef.data_ptr<float>();
+  p.grad_bias = data_or_null(bias, g_bias);
+  p.grad_gamma = g_gamma.data_ptr();
+  p.grad_beta = g_beta.data_ptr();
+  p.grad_pre = data_or_null(pre_scale, g_pre);
+  p.grad_post = data_or_null(post_scale, g_post);
+  head_grad_coefficients(p, current_stream());
+  return {coef, g_bias, g_gamma, g_beta, g_pre, g_post};
+}
+
+at::Tensor head_grad_z_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& out,
+                            const std::optional<at::Tensor>& rowdot, const at::Tensor& z,
+                            const at::Tensor& coef) {
+  const char* op = "head_grad_z";
+  EPIFUSE_CHECK(z.dim() == 2, "epifuse::", op, ": expected z to be 2-D [M, N], got ", z.dim(), "-D");
+  const auto guard = guard_for(z, op, "z");
+  const PreparedGrad p = prepare_grad(grad, out, rowdot, z, op);
+  check_cuda(coef, op, "coef", z);
+  EPIFUSE_CHECK(coef.scalar_type() == at::kFloat && coef.dim() == 2 && coef.size(0) == 3 &&
+                    coef.size(1) == p.o.N,
+                "epifuse::", op, ": expected coef to be a float32 [3, ", p.o.N, "] tensor, got ",
+                coef.scalar_type(), " ", coef.sizes());
+  const at::Tensor coef_c = coef.contiguous();
+  at::Tensor dz = at::empty(z.sizes(), z.options().memory_format(at::MemoryFormat::Contiguous));
+  head_grad_z(p.o, coef_c.data_ptr<float>(), dz.data_ptr(), std::max<int64_t>(p.o.N, 1),
+              current_stream());
+  return dz;
+}
+
+// cuBLAS's fp32 math mode for one call, whatever torch.backends.cuda.matmul says globally (the
+// setting is process-wide; it is restored on every exit, exceptions included).
+class CublasTF32Guard {
+ public:
+  explicit CublasTF32Guard(bool allow) : saved_(at::globalContext().allowTF32CuBLAS()) {
+    at::globalContext().setAllowTF32CuBLAS(allow);
+  }
+  ~CublasTF32Guard() { at::globalContext().setAllowTF32CuBLAS(saved_); }
+  CublasTF32Guard(const CublasTF32Guard&) = delete;
+  CublasTF32Guard& operator=(const CublasTF32Guard&) = delete;
+
+ private:
+  bool saved_;
+};
+
+// The backward's GEMMs (dX = dz . W, dW = dz^T . x) in the forward GEMM's precision: the one place
+// that decides how they run. 16-bit: cuBLAS on the tensor cores. fp32 'tf32': cuBLAS TF32; 'ieee':
+// cuBLAS FFMA SGEMM; '3xtf32': cuBLAS FFMA SGEMM as well (at least as accurate as 3xTF32, and
+// faster than the sm80 3xTF32 kernels on Hopper; see README "Precision"). A Hopper 3xTF32 GEMM,
+// when there is one, is routed from here.
+at::Tensor backward_matmul(const at::Tensor& a, const at::Tensor& b, MathMode math) {
+  if (math == MathMode::kNative) return at::mm(a, b);
+  const CublasTF32Guard tf32(math == MathMode::kTF32);
+  return at::mm(a, b);
+}
+
+at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
+                                c10::string_view precision) {
+  const char* op = "backward_matmul";
+  const auto guard = guard_for(a, op, "a");
+  EPIFUSE_CHECK(a.dim() == 2 && b.dim() == 2, "epifuse::", op, ": expected 2-D a and b, got ",
+                a.dim(), "-D and ", b.dim(), "-D");
+  check_cuda(b, op, "b", a);
+  EPIFUSE_CHECK(a.scalar_type() == b.scalar_type(),
+                "mat1 and mat2 must have the same dtype, but got ", a.scalar_type(), " and ",
+                b.scalar_type());
+  EPIFUSE_CHECK(a.size(1) == b.size(0), "mat1 and mat2 shapes cannot be multiplied (", a.size(0),
+                "x", a.size(1), " and ", b.size(0), "x", b.size(1), ")");
+  return backward_matmul(a, b, math_mode(std::string(precision), to_dtype(a, op), op));
+}
+
 }  // namespace
 }  // namespace epifuse
 
@@ -498,6 +725,20 @@ TORCH_LIBRARY(epifuse, m) {
   m.def("affine_softmax(Tensor z, Tensor? a, Tensor? c) -> Tensor");
   m.def("affine_softmax_(Tensor(a!) z, Tensor? a, Tensor? c) -> ()");
   m.def("affine_(Tensor(a!) z, Tensor a, Tensor c) -> ()");
+  m.def("affine(Tensor z, Tensor a, Tensor c) -> Tensor");
+  m.def(
+      "bn_fold_batch(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, Tensor gamma, "
+      "Tensor beta, Tensor? pre_scale, Tensor? post_scale, float eps) -> (Tensor, Tensor, Tensor)");
+  // Backward of a head (python/epifuse/fold.py, "backward").
+  m.def("softmax_grad_rowdot(Tensor grad, Tensor out) -> Tensor");
+  m.def("head_grad_sums(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z) -> Tensor");
+  m.def(
+      "head_grad_coefficients(Tensor sums, Tensor? global_sums, Tensor? colsum, Tensor? colsumsq, "
+      "Tensor moments, Tensor? bias, Tensor gamma, Tensor beta, Tensor? pre_scale, "
+      "Tensor? post_scale, bool training, float eps) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("head_grad_z(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z, Tensor coef) -> Tensor");
+  m.def("backward_matmul(Tensor a, Tensor b, str precision) -> Tensor");
   // Build information (no tensors, so one kernel for every backend): the GPU architectures the
   // kernels were compiled for, e.g. "80,90a", and whether they run on compute capability major.minor.
   m.def("built_archs() -> str", []() { return std::string(epifuse::built_archs()); });
@@ -514,4 +755,11 @@ TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {
   m.impl("affine_softmax", &epifuse::affine_softmax_cuda);
   m.impl("affine_softmax_", &epifuse::affine_softmax_inplace_cuda);
   m.impl("affine_", &epifuse::affine_inplace_cuda);
+  m.impl("affine", &epifuse::affine_cuda);
+  m.impl("bn_fold_batch", &epifuse::bn_fold_batch_cuda);
+  m.impl("softmax_grad_rowdot", &epifuse::softmax_grad_rowdot_cuda);
+  m.impl("head_grad_sums", &epifuse::head_grad_sums_cuda);
+  m.impl("head_grad_coefficients", &epifuse::head_grad_coefficients_cuda);
+  m.impl("head_grad_z", &epifuse::head_grad_z_cuda);
+  m.impl("backward_matmul", &epifuse::backward_matmul_cuda);
 }

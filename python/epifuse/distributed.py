@@ -4,9 +4,9 @@ With ``sync_batchnorm=True`` (or after ``convert_sync_batchnorm``) a head in
 training mode normalizes with the statistics of the union of all ranks'
 batches, as ``nn.SyncBatchNorm`` does:
 
-  fused:     gemm_colstats -> local (count, mean, M2) of u -> all_gather -> merge
-             -> fold + running-stat update (float64 torch ops, global count on device)
-             -> affine[_softmax]_
+  fused:     epifuse::fused_head (fused_head.py) with the group's name: gemm_colstats
+             -> local (count, mean, M2) of u -> all_gather -> merge -> fold
+             -> affine[_softmax]; running-stat update (global count on device) by head.py
   reference: linear (-> scale) -> the same local moments -> all_gather -> merge
              -> normalize (-> scale) (-> softmax), in plain PyTorch ops
 
@@ -17,9 +17,13 @@ exactly and no ``E[u²] - E[u]²`` cancellation happens across ranks. Every
 rank merges the same gathered rows the same way, so all ranks end with
 identical running statistics.
 
-Backward (``_SyncedNormalize``) is nn.SyncBatchNorm's: the input gradient
-uses the sums of dy and dy·(u - mean) all-reduced over the ranks; the
-BatchNorm weight/bias gradients stay local (DDP averages them).
+Backward is nn.SyncBatchNorm's: the input gradient uses sums over all ranks'
+rows, the BatchNorm weight/bias gradients stay local (DDP averages them). Both
+paths all-reduce the same ``[N] + [N] + 1`` float64 row (``fold.normalized_grad_sums``):
+the sums of dyhat and dyhat·yhat, the gradient at BatchNorm's normalized value
+(nn.SyncBatchNorm's sums of dy and dy·(u - mean) up to per-column factors), and
+the row count; the fused backward (fused_head.py) forms it from its column
+sums, the reference path (``_SyncedNormalize``) from its own.
 
 Every rank issues the same collectives in the same order whichever path it
 takes (one all_gather in the forward, one all_reduce in the backward), so a
@@ -36,8 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import fold, head, ops
-from .precision import resolve_precision
+from . import fold
 
 _F64 = torch.float64
 
@@ -201,10 +204,8 @@ def _compute_dtype(u: Tensor) -> torch.dtype:
 class _SyncedNormalize(torch.autograd.Function):
     """``(u - mean) * invstd * weight + bias`` with global statistics; SyncBatchNorm's backward.
 
-    The statistics are inputs rather than computed here, so the fused path's
-    backward can recompute the head with the forward's statistics and no
-    second all_gather. setup_context (not ctx in forward) lets torch.func.vjp
-    trace through it.
+    The statistics are inputs rather than computed here (synced_batch_norm
+    merges them). setup_context (not ctx in forward) lets torch.func trace it.
     """
 
     @staticmethod
@@ -220,34 +221,35 @@ class _SyncedNormalize(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         u, weight, _, mean, invstd, count, group = inputs
-        ctx.save_for_backward(u, weight, mean, invstd, count)
+        ctx.save_for_backward(u, weight, mean, invstd)
         ctx.group = group
         ctx.bias_dtype = None if inputs[2] is None else inputs[2].dtype
 
     @staticmethod
     def backward(ctx, grad_v):
-        u, weight, mean, invstd, count = ctx.saved_tensors
+        u, weight, mean, invstd = ctx.saved_tensors
         cd = _compute_dtype(u)
         dy = grad_v.to(cd)
-        xmu = u.to(cd) - mean.to(cd)
         inv = invstd.to(cd)
-        local = torch.cat([dy.sum(0), (dy * xmu).sum(0)]).to(_F64)
+        xhat = (u.to(cd) - mean.to(cd)) * inv
         n_features = mean.numel()
         grad_u = grad_weight = grad_bias = None
         need_u, need_weight, need_bias = ctx.needs_input_grad[:3]
         if need_weight and weight is not None:  # local; DDP averages it over the ranks
-            grad_weight = (local[n_features:].to(cd) * inv).to(weight.dtype)
+            grad_weight = (dy * xhat).sum(0).to(weight.dtype)
         if need_bias and ctx.bias_dtype is not None:
-            grad_bias = local[:n_features].to(ctx.bias_dtype)
+            grad_bias = dy.sum(0).to(ctx.bias_dtype)
         if need_u:
-            # Every rank reaches this point together: same graph, same needs_input_grad.
-            total = local.clone()
+            # Every rank reaches this point together: same graph, same needs_input_grad. The row
+            # is fold.normalized_grad_sums' layout, which ranks on the fused path send.
+            dyhat = dy if weight is None else dy * weight.to(cd)
+            total = torch.cat([dyhat.sum(0).to(_F64), (dyhat * xhat).sum(0).to(_F64),
+                               dyhat.new_full((1,), float(u.shape[0]), dtype=_F64)])
             dist.all_reduce(total, dist.ReduceOp.SUM, group=ctx.group)
-            cnt = count.to(cd)
-            mean_dy = total[:n_features].to(cd) / cnt
-            mean_dy_xmu = total[n_features:].to(cd) / cnt
-            g = inv if weight is None else inv * weight.to(cd)
-            grad_u = ((dy - mean_dy - xmu * (inv * inv * mean_dy_xmu)) * g).to(u.dtype)
+            rows = total[2 * n_features].to(cd)
+            mean_g1 = total[:n_features].to(cd) / rows
+            mean_g2 = total[n_features:2 * n_features].to(cd) / rows
+            grad_u = ((dyhat - mean_g1 - xhat * mean_g2) * inv).to(u.dtype)
         return grad_u, grad_weight, grad_bias, None, None, None, None
 
 
@@ -274,97 +276,3 @@ def synced_batch_norm(u: Tensor, weight: Optional[Tensor], bias: Optional[Tensor
         fold.update_running_stats(running_mean, running_var, num_batches_tracked,
                                   moments.mean, moments.var, moments.count, momentum)
     return synced_normalize(u, weight, bias, moments, eps, group)
-
-
-# --------------------------------------------------------------------------- the head
-
-def run_synced_head(module: nn.Module, x: Tensor, spec: "head.HeadSpec",
-                    group: "dist.ProcessGroup") -> Tensor:
-    """Training forward of a head with batch statistics synchronized over ``group``."""
-    gemm, bn = module.gemm, module.bn
-    if head.fast_path_reason(module, x) is not None:
-        return _synced_reference(module, x, spec, group)
-    precision = resolve_precision(module.precision, x.dtype)
-    args = (x, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale,
-            bn.running_mean, bn.running_var, bn.num_batches_tracked,
-            spec, precision, bn.momentum, bn.eps, group)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:6]):
-        return _SyncedFusedHead.apply(*args)
-    return _synced_fused_forward(*args)[0]
-
-
-def _synced_reference(module: nn.Module, x: Tensor, spec: "head.HeadSpec",
-                      group: "dist.ProcessGroup") -> Tensor:
-    """The head in plain PyTorch ops with a synchronized BatchNorm (any device)."""
-    gemm, bn = module.gemm, module.bn
-    tracking = bn.track_running_stats
-
-    def batch_norm(u, gamma, beta):
-        return synced_batch_norm(u, gamma, beta, bn.running_mean if tracking else None,
-                                 bn.running_var if tracking else None,
-                                 bn.num_batches_tracked if tracking else None,
-                                 bn.momentum, bn.eps, group)
-
-    return head.reference_head(x, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale,
-                               None, None, spec, True, bn.eps, batch_norm=batch_norm)
-
-
-def _synced_fused_forward(x, weight, bias, gamma, beta, scale, running_mean, running_var,
-                          num_batches_tracked, spec, precision, momentum, eps, group):
-    """Fused training forward with global statistics; returns (y, global moments of u)."""
-    pre, post = (scale, None) if spec.scale_before_bn else (None, scale)
-    with head._range("epifuse.gemm"):
-        z, colsum, colsumsq = ops.gemm_colstats(x, weight, precision)
-    with head._range("epifuse.sync_stats"):
-        rows = x.shape[0]
-        mean, var = fold.input_moments(colsum, colsumsq, rows, bias, pre, like=gamma)
-        moments = synced_moments(pack_moments(rows, mean, var * rows), group)
-    with head._range("epifuse.fold"):
-        # fold.py in float64 torch ops rather than ops.bn_fold_train: the global
-        # count is a device tensor, and reading it back would stall the stream.
-        f = fold.fold_batch(moments.mean, moments.var, bias, gamma, beta, pre, post, eps)
-        fold.update_running_stats(running_mean, running_var, num_batches_tracked,
-                                  moments.mean, moments.var, moments.count, momentum)
-        a, c = f.a.float().contiguous(), f.c.float().contiguous()
-    if spec.softmax:
-        with head._range("epifuse.softmax"):
-            ops.affine_softmax_(z, a, c)
-    else:
-        with head._range("epifuse.affine"):
-            ops.affine_(z, a, c)
-    return z, moments
-
-
-class _SyncedFusedHead(torch.autograd.Function):
-    """Fused synced forward; backward recomputes the head with the forward's global moments.
-
-    Reusing the moments (instead of gathering them again) keeps the backward's
-    collectives to nn.SyncBatchNorm's single all_reduce, the same as a rank on
-    the reference path issues.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, gamma, beta, scale, running_mean, running_var,
-                num_batches_tracked, spec, precision, momentum, eps, group):
-        y, moments = _synced_fused_forward(x, weight, bias, gamma, beta, scale, running_mean,
-                                           running_var, num_batches_tracked, spec, precision,
-                                           momentum, eps, group)
-        ctx.save_for_backward(x, weight, bias, gamma, beta, scale, *moments)
-        ctx.spec, ctx.eps, ctx.group = spec, eps, group
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        inputs, moments = saved[:6], BatchMoments(*saved[6:])
-
-        def batch_norm(u, gamma, beta):
-            return synced_normalize(u, gamma, beta, moments, ctx.eps, ctx.group)
-
-        def head_of(*full):
-            return head.reference_head(*full, None, None, ctx.spec, True, ctx.eps,
-                                       batch_norm=batch_norm)
-
-        grads = head.recompute_grads(head_of, inputs, ctx.needs_input_grad[:6], grad_out)
-        return (*grads, *([None] * 8))

@@ -151,3 +151,141 @@ def update_running_stats(running_mean: Tensor, running_var: Tensor, num_batches_
     running_mean.copy_(new_mean)
     running_var.copy_(new_var)
     num_batches_tracked.add_(1)
+
+
+# --------------------------------------------------------------------------- backward
+#
+# With g the gradient of the head's output, per column n (float64 throughout):
+#   dv      = out * (g - rowsum(g * out))       (softmax heads; dv = g otherwise)
+#   yhat    = (u - mean) * invstd = alpha * z + delta,  alpha = pre * invstd,
+#             delta = (pre * bias - mean) * invstd
+#   S1 = sum_m dv, S3 = sum_m dv * z, S2 = sum_m dv * yhat = alpha * S3 + delta * S1
+#   d beta = post * S1, d gamma = post * S2, d post = gamma * S2 + beta * S1
+#   du      = k * (dv - S1 / M - yhat * S2 / M)  (training; eval: du = k * dv), k = gamma * post * invstd
+#   dz      = pre * du = A * dv + B * z + C
+#   d pre   = sum_m du * (z + bias),  d bias = sum_m dz
+# S3 rather than S2 is summed over the rows: dv * z is exact in float64 (fp32 operands), where
+# yhat would first be rounded to fp32; S2 follows per column. The sums over the rows of z that
+# d pre and d bias need come from the forward's colsum / colsumsq, so the backward reads g, out
+# and z in two passes only (the sums, then dz).
+# With synchronized batch statistics the batch terms of du use sums over all ranks' rows, the
+# parameter gradients this rank's rows only (DDP averages them), as nn.SyncBatchNorm does. The
+# ranks all-reduce ``normalized_grad_sums``: G1 = sum dyhat and G2 = sum dyhat * yhat of the
+# gradient at the normalized value, dyhat = gamma * post * dv (what a rank on the reference path
+# can form as well), so that du = invstd * (dyhat - G1 / M - yhat * G2 / M).
+
+
+def moments_vector(mean: Tensor, var: Tensor, count: Union[int, float, Tensor]) -> Tensor:
+    """``[mean(N), var(N), count]`` in float64: the statistics BatchNorm normalized u with.
+
+    The fused forward saves this for the backward (``count`` may be a 0-d device tensor: the
+    global row count of a synchronized batch).
+    """
+    mean = mean.to(_F64)
+    count_t = count.to(mean) if isinstance(count, Tensor) else mean.new_full((), float(count))
+    return torch.cat([mean, var.to(_F64), count_t.reshape(1)])
+
+
+def dv_of(grad: Tensor, out: Optional[Tensor]) -> Tensor:
+    """Gradient at the softmax's input (float64); ``out`` None: no softmax, ``grad`` itself."""
+    g = grad.detach().to(_F64)
+    if out is None:
+        return g
+    o = out.detach().to(_F64)
+    return o * (g - (g * o).sum(1, keepdim=True))
+
+
+def grad_sums(grad: Tensor, out: Optional[Tensor], z: Tensor) -> Tensor:
+    """``[S1(N), S3(N), M]`` in float64: column sums of dv and dv * z over this batch's rows."""
+    dv = dv_of(grad, out)
+    z64 = z.detach().to(_F64)
+    return torch.cat([dv.sum(0), (dv * z64).sum(0), dv.new_full((1,), float(z.shape[0]))])
+
+
+class GradCoefficients(NamedTuple):
+    """``dz = A * dv + B * z + C`` and the parameter gradients, float64."""
+
+    A: Tensor  # [N]
+    B: Tensor  # [N]
+    C: Tensor  # [N]
+    bias: Tensor  # [N]
+    gamma: Tensor  # [N]
+    beta: Tensor  # [N]
+    pre: Tensor  # [N], per column (sum it for a one-element scale)
+    post: Tensor  # [N], per column
+
+
+def _columns(sums: Tensor, moments: Tensor, bias: Optional[Tensor], gamma: Tensor,
+             pre_scale: Optional[Tensor], post_scale: Optional[Tensor], eps: float):
+    n = gamma.numel()
+    ref = gamma
+    s = sums.to(device=ref.device, dtype=_F64)
+    m = moments.to(device=ref.device, dtype=_F64)
+    b, g = _col(bias, n, ref, 0.0), _col(gamma, n, ref, 1.0)
+    pre, post = _col(pre_scale, n, ref, 1.0), _col(post_scale, n, ref, 1.0)
+    invstd = torch.rsqrt(m[n:2 * n] + eps)
+    alpha, delta = pre * invstd, (pre * b - m[:n]) * invstd
+    s1, s3 = s[:n], s[n:2 * n]
+    return s1, s3, s[2 * n], alpha * s3 + delta * s1, b, g, pre, post, invstd, alpha, delta
+
+
+def normalized_grad_sums(sums: Tensor, moments: Tensor, bias: Optional[Tensor], gamma: Tensor,
+                         pre_scale: Optional[Tensor], post_scale: Optional[Tensor],
+                         eps: float) -> Tensor:
+    """``[G1(N), G2(N), M]``: this batch's sums of dyhat and dyhat * yhat (dyhat = gamma * post * dv).
+
+    What synchronized ranks all-reduce: the batch terms of du are ``G1 / M`` and ``G2 / M`` over
+    the rows of all ranks.
+    """
+    s1, _, rows, s2, _, g, _, post, *_ = _columns(sums, moments, bias, gamma, pre_scale,
+                                                  post_scale, eps)
+    gp = g * post
+    return torch.cat([gp * s1, gp * s2, rows.reshape(1)])
+
+
+def grad_coefficients(sums: Tensor, global_sums: Optional[Tensor], colsum: Optional[Tensor],
+                      colsumsq: Optional[Tensor], moments: Tensor, bias: Optional[Tensor],
+                      gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
+                      post_scale: Optional[Tensor], training: bool,
+                      eps: float) -> GradCoefficients:
+    """Per-column backward coefficients of the head (see the block comment above).
+
+    ``sums``: this batch's ``grad_sums``; ``global_sums``: ``normalized_grad_sums`` summed over
+    all ranks (None: not synchronized, this batch is the whole batch); ``colsum`` /
+    ``colsumsq``: this batch's sums of z and z² (training only); ``moments``:
+    ``moments_vector`` of the statistics the forward normalized with (batch, possibly global,
+    or running in eval).
+    """
+    n = gamma.numel()
+    s1, s3, rows, s2, b, g, pre, post, invstd, alpha, delta = _columns(
+        sums, moments, bias, gamma, pre_scale, post_scale, eps)
+    bt = _col(beta, n, gamma, 0.0)
+    k = g * post * invstd
+    d_beta, d_gamma, d_post = post * s1, post * s2, g * s2 + bt * s1
+    a_coef = pre * k
+    if training:
+        if global_sums is None:
+            g1, g2, rows_g = g * post * s1, g * post * s2, rows
+        else:
+            gs = global_sums.to(device=gamma.device, dtype=_F64)
+            g1, g2, rows_g = gs[:n], gs[n:2 * n], gs[2 * n]
+        mean_g1, mean_g2 = g1 / rows_g, g2 / rows_g
+        b_coef = -pre * invstd * alpha * mean_g2
+        c_coef = -pre * invstd * (mean_g1 + delta * mean_g2)
+        cs, css = colsum.to(gamma.device, _F64), colsumsq.to(gamma.device, _F64)
+        sum_yhat = alpha * cs + delta * rows
+        # sum_m yhat * (z + bias), expanded over the sums of z and z² of this batch.
+        sum_yhat_zb = alpha * css + (alpha * b + delta) * cs + delta * b * rows
+        sum_du = k * s1 - invstd * (rows * mean_g1 + sum_yhat * mean_g2)
+        sum_du_zb = k * (s3 + b * s1) - invstd * (mean_g1 * (cs + b * rows) + mean_g2 * sum_yhat_zb)
+    else:
+        b_coef = c_coef = torch.zeros_like(a_coef)
+        sum_du, sum_du_zb = k * s1, k * (s3 + b * s1)
+    return GradCoefficients(a_coef, b_coef, c_coef, pre * sum_du, d_gamma, d_beta, sum_du_zb,
+                            d_post)
+
+
+def grad_z(grad: Tensor, out: Optional[Tensor], z: Tensor, A: Tensor, B: Tensor,
+           C: Tensor) -> Tensor:
+    """``dz = A * dv + B * z + C`` in float64."""
+    return A.to(_F64) * dv_of(grad, out) + B.to(_F64) * z.detach().to(_F64) + C.to(_F64)

@@ -6,8 +6,12 @@ A "head" module has the attributes of the reference models: ``gemm``
 (sm_80 and later; Hopper gets the TMA/wgmma kernels) the forward runs the
 epifuse ops:
 
-  train: gemm_colstats -> bn_fold_train (updates running stats) -> affine[_softmax]_
-  eval:  bn_fold_eval -> gemm_affine (-> in-place softmax)
+  no autograd   train: gemm_colstats -> bn_fold_train (updates running stats) -> affine[_softmax]_
+                eval:  bn_fold_eval -> gemm_affine (-> in-place softmax)
+                (in place, nothing saved)
+  autograd or   the differentiable op epifuse::fused_head (fused_head.py: out of place, saves z
+  synchronized  for its fused backward), then the running-statistics update
+  statistics
 
 Anything else runs the reference module sequence, so results (and PyTorch's
 own error messages for bad input) are those of the reference model.
@@ -24,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import distributed, ops
+from . import distributed, fold, ops
+from .fused_head import fused_head
 from .precision import resolve_precision
 
 # Read once: the NVTX ranges cost nothing unless asked for at import time.
@@ -140,21 +145,61 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
 def run_head(module: nn.Module, x: Tensor, spec: HeadSpec,
              reference: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
     """Forward of a head module: fused on supported inputs, ``reference(module, x)`` otherwise."""
-    sync_group = distributed.sync_group(module)
-    if sync_group is not None:  # data-parallel training with synchronized batch statistics
-        return distributed.run_synced_head(module, x, spec, sync_group)
+    # Synchronized batch statistics in data-parallel training (None: not synchronized).
+    group = distributed.sync_group(module)
     parts = _parts(module)
     if _reason(parts, x) is not None:
-        return reference(module, x)
+        return reference(module, x) if group is None else _synced_reference(module, x, spec, group)
     bn = parts.bn
     precision = resolve_precision(module.precision, x.dtype)
     args = (x, parts.weight, parts.bias, parts.gamma, parts.beta, parts.scale,
             parts.running_mean, parts.running_var, parts.num_batches_tracked,
             spec, precision, bn.training, bn.momentum, bn.eps)
-    if torch.is_grad_enabled() and (x.requires_grad or any(
-            p is not None and p.requires_grad for p in args[1:6])):
-        return _FusedHead.apply(*args)
-    return _fused_forward(*args)
+    if group is None and not (torch.is_grad_enabled() and (x.requires_grad or any(
+            p is not None and p.requires_grad for p in args[1:6]))):
+        return _fused_forward(*args)
+    return _differentiable_forward(*args, group)
+
+
+# --------------------------------------------------------------------------- differentiable forward
+
+def _differentiable_forward(x, weight, bias, gamma, beta, scale, running_mean, running_var,
+                            num_batches_tracked, spec: HeadSpec, precision: str, training: bool,
+                            momentum: Optional[float], eps: float, group) -> Tensor:
+    """epifuse::fused_head, then the running-statistics update it leaves to its caller."""
+    group_name = "" if group is None else group.group_name
+    with _range("epifuse.fused_head"):
+        out, _, colsum, colsumsq, moments = fused_head(
+            x, weight, bias, gamma, beta, scale, running_mean, running_var, precision, training,
+            spec.scale_before_bn, spec.softmax, eps, group_name)
+    if training:
+        with _range("epifuse.running_stats"), torch.no_grad():
+            if group is None:
+                # bn_fold_train's update from the batch sums (its a, c repeat the op's).
+                pre, post = (scale, None) if spec.scale_before_bn else (None, scale)
+                ops.bn_fold_train(colsum, colsumsq, x.shape[0], bias, gamma, beta, pre, post,
+                                  running_mean, running_var, num_batches_tracked, momentum, eps)
+            else:  # the merged moments; their count (all ranks' rows) stays on the device
+                n = gamma.numel()
+                fold.update_running_stats(running_mean, running_var, num_batches_tracked,
+                                          moments[:n], moments[n:2 * n], moments[2 * n],
+                                          momentum)
+    return out
+
+
+def _synced_reference(module: nn.Module, x: Tensor, spec: HeadSpec, group) -> Tensor:
+    """The head in plain PyTorch ops with a synchronized BatchNorm (any device, any batch)."""
+    gemm, bn = module.gemm, module.bn
+    tracking = bn.track_running_stats
+
+    def batch_norm(u, gamma, beta):
+        return distributed.synced_batch_norm(
+            u, gamma, beta, bn.running_mean if tracking else None,
+            bn.running_var if tracking else None, bn.num_batches_tracked if tracking else None,
+            bn.momentum, bn.eps, group)
+
+    return reference_head(x, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale,
+                          None, None, spec, True, bn.eps, batch_norm=batch_norm)
 
 
 # --------------------------------------------------------------------------- fused forward
@@ -193,9 +238,8 @@ def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_va
                                                  Tensor]] = None) -> Tensor:
     """The head's math in plain PyTorch ops, without touching running statistics.
 
-    Used to recompute the forward under autograd in the backward pass.
     ``batch_norm(u, gamma, beta)``, if given, replaces the training-mode
-    BatchNorm (distributed.py passes the synchronized one).
+    BatchNorm (the synchronized reference path passes nn.SyncBatchNorm's).
     """
     y = F.linear(x, weight, bias)
     if spec.scale_before_bn:
@@ -211,55 +255,3 @@ def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_va
     if spec.softmax:
         y = torch.softmax(y, dim=1)
     return y
-
-
-class _FusedHead(torch.autograd.Function):
-    """Fused forward; backward recomputes the reference math with autograd.
-
-    Recomputing (rather than saving GEMM outputs) keeps the forward's memory
-    at the inference footprint; only the inputs are saved.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, gamma, beta, scale, running_mean, running_var,
-                num_batches_tracked, spec, precision, training, momentum, eps):
-        y = _fused_forward(x, weight, bias, gamma, beta, scale, running_mean, running_var,
-                           num_batches_tracked, spec, precision, training, momentum, eps)
-        # In training the running stats were just updated and the backward does not need them.
-        stats = (None, None) if training else (running_mean, running_var)
-        ctx.save_for_backward(x, weight, bias, gamma, beta, scale, *stats)
-        ctx.spec, ctx.training, ctx.eps = spec, training, eps
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        saved = ctx.saved_tensors
-        inputs, (running_mean, running_var) = saved[:6], saved[6:]
-
-        def head_of(*full):
-            return reference_head(*full, running_mean, running_var, ctx.spec, ctx.training,
-                                  ctx.eps)
-
-        grads = recompute_grads(head_of, inputs, ctx.needs_input_grad[:6], grad_out)
-        return (*grads, *([None] * 8))
-
-
-def recompute_grads(head_of: Callable[..., Tensor], inputs, needs, grad_out: Tensor):
-    """Gradients of ``head_of(*inputs)`` w.r.t. the inputs marked in ``needs`` (None elsewhere),
-    by recomputing the forward.
-
-    torch.func.vjp rather than torch.autograd.grad: Dynamo can trace it, so a
-    backward built on this compiles along with the forward under torch.compile.
-    """
-    diff = [i for i, need in enumerate(needs) if need]
-
-    def of_differentiable(*diff_inputs):
-        full = list(inputs)
-        for i, t in zip(diff, diff_inputs):
-            full[i] = t
-        return head_of(*full)
-
-    _, vjp = torch.func.vjp(of_differentiable, *(inputs[i] for i in diff))
-    grads = iter(vjp(grad_out))
-    return tuple(next(grads) if need else None for need in needs)

@@ -28,6 +28,13 @@ OP_NAMES = (
     "epifuse::affine_softmax",
     "epifuse::affine_softmax_",
     "epifuse::affine_",
+    "epifuse::affine",
+    "epifuse::bn_fold_batch",
+    "epifuse::softmax_grad_rowdot",
+    "epifuse::head_grad_sums",
+    "epifuse::head_grad_coefficients",
+    "epifuse::head_grad_z",
+    "epifuse::backward_matmul",
 )
 
 _ops = torch.ops.epifuse
@@ -40,6 +47,13 @@ _bn_fold_eval = _ops.bn_fold_eval.default
 _affine_softmax = _ops.affine_softmax.default
 _affine_softmax_inplace = _ops.affine_softmax_.default
 _affine_inplace = _ops.affine_.default
+_affine = _ops.affine.default
+_bn_fold_batch = _ops.bn_fold_batch.default
+_softmax_grad_rowdot = _ops.softmax_grad_rowdot.default
+_head_grad_sums = _ops.head_grad_sums.default
+_head_grad_coefficients = _ops.head_grad_coefficients.default
+_head_grad_z = _ops.head_grad_z.default
+_backward_matmul = _ops.backward_matmul.default
 
 
 def has_cuda_kernels() -> bool:
@@ -111,6 +125,60 @@ def affine_softmax_(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> None
 def affine_(z: Tensor, a: Tensor, c: Tensor) -> None:
     """In-place ``z = a * z + c``."""
     _affine_inplace(z, a, c)
+
+
+def affine(z: Tensor, a: Tensor, c: Tensor) -> Tensor:
+    """``a * z + c`` into a new tensor of z's dtype."""
+    return _affine(z, a, c)
+
+
+def bn_fold_batch(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
+                  gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
+                  post_scale: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Training fold without the running-statistics update: (a, c, moments).
+
+    ``moments`` is ``fold.moments_vector`` of the batch statistics of u: float64
+    ``[mean(N), var(N), count]``, what the backward normalizes with.
+    """
+    return _bn_fold_batch(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps)
+
+
+# Backward of a head (see fold.py's backward section for the math).
+
+def softmax_grad_rowdot(grad: Tensor, out: Tensor) -> Tensor:
+    """``sum_n grad[m, n] * out[m, n]`` per row, float32 [M]: the softmax backward's row term."""
+    return _softmax_grad_rowdot(grad, out)
+
+
+def head_grad_sums(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor],
+                   z: Tensor) -> Tensor:
+    """``[S1(N), S3(N), M]`` float64: column sums of dv and dv * z (dv from grad, out, rowdot)."""
+    return _head_grad_sums(grad, out, rowdot, z)
+
+
+def head_grad_coefficients(sums: Tensor, global_sums: Optional[Tensor],
+                           colsum: Optional[Tensor], colsumsq: Optional[Tensor],
+                           moments: Tensor, bias: Optional[Tensor], gamma: Tensor, beta: Tensor,
+                           pre_scale: Optional[Tensor], post_scale: Optional[Tensor],
+                           training: bool, eps: float) -> tuple[Tensor, ...]:
+    """(coef [3, N] float32 = A, B, C of dz; grads of bias, gamma, beta, pre_scale, post_scale).
+
+    Parameter gradients have the parameters' dtype and shape; an absent (None) parameter
+    gets an empty gradient.
+    """
+    return _head_grad_coefficients(sums, global_sums, colsum, colsumsq, moments, bias, gamma,
+                                   beta, pre_scale, post_scale, training, eps)
+
+
+def head_grad_z(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor], z: Tensor,
+                coef: Tensor) -> Tensor:
+    """``dz = A * dv + B * z + C``, dtype of z."""
+    return _head_grad_z(grad, out, rowdot, z, coef)
+
+
+def backward_matmul(a: Tensor, b: Tensor, precision: str) -> Tensor:
+    """``a @ b`` in the forward GEMM's precision (the backward's dX and dW GEMMs)."""
+    return _backward_matmul(a, b, precision)
 
 
 # --------------------------------------------------------------------------- CPU kernels
@@ -199,6 +267,84 @@ def _affine_inplace_cpu(z, a, c):
     z.copy_(_affine64(z, a, c))
 
 
+@torch.library.register_kernel("epifuse::affine", "cpu")
+def _affine_cpu(z, a, c):
+    if z.dim() != 2:
+        raise RuntimeError(f"epifuse: expected a 2-D tensor, got {z.dim()}-D")
+    return _affine64(z, a, c).to(z.dtype).contiguous()  # the CUDA kernel's layout
+
+
+@torch.library.register_kernel("epifuse::bn_fold_batch", "cpu")
+def _bn_fold_batch_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps):
+    if count < 2:
+        raise ValueError(f"Expected more than 1 value per channel when training, got {count} rows")
+    f = fold.fold_train(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps)
+    return f.a.float(), f.c.float(), fold.moments_vector(f.mean, f.var, count)
+
+
+def _check_grad_operands(grad: Tensor, z: Tensor, out: Optional[Tensor]) -> None:
+    if grad.dim() != 2 or grad.shape != z.shape or (out is not None and out.shape != z.shape):
+        raise RuntimeError(f"epifuse: expected grad, z (and out) of one [M, N] shape, got "
+                           f"{tuple(grad.shape)}, {tuple(z.shape)}"
+                           + ("" if out is None else f", {tuple(out.shape)}"))
+
+
+@torch.library.register_kernel("epifuse::softmax_grad_rowdot", "cpu")
+def _softmax_grad_rowdot_cpu(grad, out):
+    _check_grad_operands(grad, out, out)
+    return (grad.to(_F64) * out.to(_F64)).sum(1).float()
+
+
+def _dv_inputs(grad, out, rowdot):
+    """grad, out as fold.dv_of takes them; the row term is recomputed in float64."""
+    if (out is None) != (rowdot is None):
+        raise RuntimeError("epifuse: pass both out and rowdot (softmax heads), or neither")
+    return grad, out
+
+
+@torch.library.register_kernel("epifuse::head_grad_sums", "cpu")
+def _head_grad_sums_cpu(grad, out, rowdot, z):
+    _check_grad_operands(grad, z, out)
+    return fold.grad_sums(*_dv_inputs(grad, out, rowdot), z)
+
+
+def _param_grad(values: Tensor, like: Optional[Tensor]) -> Tensor:
+    """A per-column float64 gradient in ``like``'s dtype and shape (summed for one element)."""
+    if like is None:
+        return values.new_empty((0,), dtype=torch.float32)
+    if like.numel() == 1 and values.numel() != 1:
+        values = values.sum()
+    return values.reshape(like.shape).to(like.dtype)
+
+
+@torch.library.register_kernel("epifuse::head_grad_coefficients", "cpu")
+def _head_grad_coefficients_cpu(sums, global_sums, colsum, colsumsq, moments, bias, gamma, beta,
+                                pre_scale, post_scale, training, eps):
+    if training and (colsum is None or colsumsq is None):
+        raise RuntimeError("epifuse: training-mode coefficients need colsum and colsumsq")
+    g = fold.grad_coefficients(sums, global_sums, colsum, colsumsq, moments, bias, gamma, beta,
+                               pre_scale, post_scale, training, eps)
+    coef = torch.stack([g.A, g.B, g.C]).float()
+    return (coef, _param_grad(g.bias, bias), _param_grad(g.gamma, gamma),
+            _param_grad(g.beta, beta), _param_grad(g.pre, pre_scale),
+            _param_grad(g.post, post_scale))
+
+
+@torch.library.register_kernel("epifuse::head_grad_z", "cpu")
+def _head_grad_z_cpu(grad, out, rowdot, z, coef):
+    _check_grad_operands(grad, z, out)
+    return fold.grad_z(*_dv_inputs(grad, out, rowdot), z, *coef.unbind(0)).to(z.dtype).contiguous()
+
+
+@torch.library.register_kernel("epifuse::backward_matmul", "cpu")
+def _backward_matmul_cpu(a, b, precision):
+    _check_precision(precision)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise RuntimeError(f"epifuse: expected a [M, K] and b [K, N], got {tuple(a.shape)} and "
+                           f"{tuple(b.shape)}")
+    return (a.to(_F64) @ b.to(_F64)).to(a.dtype)
+
+
 # --------------------------------------------------------------------------- fake kernels
 # Shapes and dtypes only (the contract's), for FakeTensor / torch.compile tracing.
 
@@ -256,3 +402,52 @@ def _affine_softmax_inplace_fake(z, a, c):
 @torch.library.register_fake("epifuse::affine_")
 def _affine_inplace_fake(z, a, c):
     return None
+
+
+@torch.library.register_fake("epifuse::affine")
+def _affine_fake(z, a, c):
+    torch._check(z.dim() == 2, lambda: "z must be 2-D")
+    return z.new_empty(z.shape)
+
+
+@torch.library.register_fake("epifuse::bn_fold_batch")
+def _bn_fold_batch_fake(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps):
+    n = colsum.shape[0]
+    return _vec_f32(colsum, n), _vec_f32(colsum, n), colsum.new_empty((2 * n + 1,), dtype=_F64)
+
+
+@torch.library.register_fake("epifuse::softmax_grad_rowdot")
+def _softmax_grad_rowdot_fake(grad, out):
+    torch._check(grad.dim() == 2, lambda: "grad must be 2-D")
+    return _vec_f32(grad, grad.shape[0])
+
+
+@torch.library.register_fake("epifuse::head_grad_sums")
+def _head_grad_sums_fake(grad, out, rowdot, z):
+    torch._check(z.dim() == 2, lambda: "z must be 2-D")
+    return z.new_empty((2 * z.shape[1] + 1,), dtype=_F64)
+
+
+@torch.library.register_fake("epifuse::head_grad_coefficients")
+def _head_grad_coefficients_fake(sums, global_sums, colsum, colsumsq, moments, bias, gamma, beta,
+                                 pre_scale, post_scale, training, eps):
+    n = gamma.shape[0]
+
+    def like(t):
+        return gamma.new_empty((0,), dtype=torch.float32) if t is None else torch.empty_like(t)
+
+    return (gamma.new_empty((3, n), dtype=torch.float32), like(bias), like(gamma), like(beta),
+            like(pre_scale), like(post_scale))
+
+
+@torch.library.register_fake("epifuse::head_grad_z")
+def _head_grad_z_fake(grad, out, rowdot, z, coef):
+    torch._check(z.dim() == 2, lambda: "z must be 2-D")
+    return z.new_empty(z.shape)
+
+
+@torch.library.register_fake("epifuse::backward_matmul")
+def _backward_matmul_fake(a, b, precision):
+    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "a and b must be 2-D")
+    torch._check(a.shape[1] == b.shape[0], lambda: "a and b disagree on K")
+    return a.new_empty((a.shape[0], b.shape[1]))

@@ -116,6 +116,12 @@ void bn_fold_train(const FoldProblem& f, const double* colsum, const double* col
 void bn_fold_eval(const FoldProblem& f, const void* running_mean, const void* running_var,
                   cudaStream_t stream);
 
+// Training without the running-statistics update (the differentiable forward, whose op must not
+// mutate its inputs): (a, c) as bn_fold_train, and moments[0:N] = batch mean of u,
+// moments[N:2N] = its biased variance, moments[2N] = count (fp64 [2N + 1]; the backward's input).
+void bn_fold_batch(const FoldProblem& f, const double* colsum, const double* colsumsq,
+                   int64_t count, double* moments, cudaStream_t stream);
+
 // ---- Row passes over an [M, N] matrix with row stride ld ---------------------------------------
 // out = softmax(a[n] * in + c[n]) along each row; a, c may be null (identity). in may equal out.
 void affine_softmax(DType dtype, int64_t M, int64_t N, const void* in, int64_t ld_in, void* out,
@@ -124,5 +130,52 @@ void affine_softmax(DType dtype, int64_t M, int64_t N, const void* in, int64_t l
 // z = a[n] * z + c[n] in place.
 void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
                    const float* c, cudaStream_t stream);
+
+// out = a[n] * in[m, n] + c[n] (in may equal out).
+void column_affine_into(DType dtype, int64_t M, int64_t N, const void* in, int64_t ld_in, void* out,
+                        int64_t ld_out, const float* a, const float* c, cudaStream_t stream);
+
+// ---- Backward of a head (python/epifuse/fold.py, "backward", is the reference) -----------------
+// g = grad of the head's output; out = the softmax's output (softmax heads); z = x . W^T as the
+// forward's GEMM stored it; all [M, N] of one dtype with unit column stride and row strides
+// ld_g / ld_out / ld_z. dv = out * (g - rowdot[m]) for softmax heads (out non-null), else g.
+struct GradOperands {
+  DType dtype = DType::kFloat32;
+  int64_t M = 0, N = 0;
+  const void* g = nullptr;    int64_t ld_g = 0;
+  const void* out = nullptr;  int64_t ld_out = 0;  // null: no softmax
+  const float* rowdot = nullptr;                   // [M], softmax heads
+  const void* z = nullptr;    int64_t ld_z = 0;
+};
+
+// rowdot[m] = sum_n g[m, n] * out[m, n] (fp32 accumulation, fixed order).
+void softmax_grad_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream);
+
+// sums[0:N] = S1 = sum_m dv, sums[N:2N] = S3 = sum_m dv * z (fp64, each column reduced by one
+// block in a fixed order: deterministic), sums[2N] = M. Launches nothing when N == 0.
+void head_grad_sums(const GradOperands& o, double* sums, cudaStream_t stream);
+
+// Per-column coefficients of dz = A * dv + B * z + C and the parameter gradients, from the sums.
+struct GradCoefficientProblem {
+  FoldProblem params;                   // N, dtype, bias / gamma / beta / scales, eps (a, c unused)
+  bool training = true;
+  const double* sums = nullptr;         // [2N + 1], this batch's head_grad_sums
+  const double* global_sums = nullptr;  // [2N + 1]: fold.normalized_grad_sums over all ranks
+                                        // (synchronized BatchNorm); null: this batch is all
+  const double* colsum = nullptr;       // [N] this batch's sum of z (training)
+  const double* colsumsq = nullptr;     // [N] this batch's sum of z^2 (training)
+  const double* moments = nullptr;      // [2N + 1]: mean, biased var of u BatchNorm normalized with
+  float* coef = nullptr;                // out [3, N]: A, B, C
+  void* grad_bias = nullptr;            // out, param dtype [N] (null when bias is)
+  void* grad_gamma = nullptr;           // out [N]
+  void* grad_beta = nullptr;            // out [N]
+  void* grad_pre = nullptr;             // out, numel pre_scale_numel (null when pre_scale is)
+  void* grad_post = nullptr;            // out, numel post_scale_numel (null when post_scale is)
+};
+void head_grad_coefficients(const GradCoefficientProblem& p, cudaStream_t stream);
+
+// dz[m, n] = A[n] * dv + B[n] * z + C[n] in z's dtype (row stride ld_dz), coef = [A; B; C].
+void head_grad_z(const GradOperands& o, const float* coef, void* dz, int64_t ld_dz,
+                 cudaStream_t stream);
 
 }  // namespace epifuse

@@ -1,0 +1,430 @@
+// Backward of a head: from g = grad of the output to dz = grad of z = x . W^T (the backward's
+// GEMMs, dX = dz . W and dW = dz^T . x, run in cuBLAS), plus the gradients of bias, BatchNorm's
+// gamma / beta and the scale. python/epifuse/fold.py ("backward") is the reference for the math;
+// tests hold these kernels to it.
+//
+//   softmax_grad_rowdot   (softmax heads) one pass over g, out: r[m] = sum_n g * out, so that
+//                         dv = out * (g - r[m]) is known element by element afterwards.
+//   head_grad_sums        one pass over g, out, z: per-column S1 = sum dv, S3 = sum dv * z in fp64.
+//   head_grad_coefficients  per column, fp64: dz = A * dv + B * z + C, parameter gradients.
+//   head_grad_z           one pass over g, out, z writing dz.
+// The row term needs whole rows and the column sums whole columns, so they are separate passes
+// (a block owning both a row band and all its columns would hold N fp64 partial pairs).
+//
+// Determinism: the row term is reduced by a fixed shuffle tree and warp order; each column's sums
+// by one block in a fixed order (as column_stats.cu); one-element scale gradients by one block's
+// fixed tree. No atomics.
+#include <algorithm>
+
+#include "cuda_utils.cuh"
+
+namespace epifuse {
+namespace {
+
+// Loads kVec consecutive elements (one 16-byte vector, or one element when kVec == 1) as fp32.
+template <class T, int kVec>
+__device__ __forceinline__ void load_floats(const T* p, float (&v)[kVec]) {
+  if constexpr (kVec > 1) {
+    static_assert(kVec == Vec16<T>::kSize, "vector loads are 16 bytes");
+    const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(p);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = to_float(x.v[j]);
+  } else {
+    v[0] = to_float(*p);
+  }
+}
+
+// dv (the gradient at the softmax's input, or g itself) and z at (row, col .. col + kVec).
+template <class T, int kVec, bool kSoftmax>
+__device__ __forceinline__ void load_dv_z(const GradOperands& o, int64_t row, int64_t col,
+                                          float (&dv)[kVec], float (&z)[kVec]) {
+  load_floats<T, kVec>(static_cast<const T*>(o.g) + row * o.ld_g + col, dv);
+  if constexpr (kSoftmax) {
+    float out[kVec];
+    load_floats<T, kVec>(static_cast<const T*>(o.out) + row * o.ld_out + col, out);
+    const float r = __ldg(o.rowdot + row);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dv[j] = out[j] * (dv[j] - r);
+  }
+  load_floats<T, kVec>(static_cast<const T*>(o.z) + row * o.ld_z + col, z);
+}
+
+// Whether every operand allows 16-byte vectors of T along its rows.
+template <class T>
+bool vectorizable(const GradOperands& o) {
+  constexpr int kVec = Vec16<T>::kSize;
+  auto ok = [&](const void* p, int64_t ld) { return p == nullptr || (is_aligned16(p) && ld % kVec == 0); };
+  return o.N % kVec == 0 && ok(o.g, o.ld_g) && ok(o.out, o.ld_out) && ok(o.z, o.ld_z);
+}
+
+// ---- row term of the softmax backward ----------------------------------------------------------
+// kLanes threads per row (32..256, by row length), 256-thread blocks; a row's lanes reduce by
+// shuffles, then its warps through shared memory in warp order.
+constexpr int kRowdotThreads = 256;
+
+template <class T, int kVec, int kLanes>
+__global__ void __launch_bounds__(kRowdotThreads)
+softmax_grad_rowdot_kernel(GradOperands o, float* __restrict__ rowdot) {
+  constexpr int kRows = kRowdotThreads / kLanes;
+  constexpr int kWarpsPerRow = kLanes / 32;
+  __shared__ float part[kRowdotThreads / 32];
+  const int lane = threadIdx.x % kLanes;
+  const int64_t row = int64_t(blockIdx.x) * kRows + threadIdx.x / kLanes;
+  float acc = 0.f;
+  if (row < o.M) {
+    const T* g = static_cast<const T*>(o.g) + row * o.ld_g;
+    const T* out = static_cast<const T*>(o.out) + row * o.ld_out;
+    for (int64_t col = int64_t(lane) * kVec; col < o.N; col += int64_t(kLanes) * kVec) {
+      float gv[kVec], ov[kVec];
+      load_floats<T, kVec>(g + col, gv);
+      load_floats<T, kVec>(out + col, ov);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc = fmaf(gv[j], ov[j], acc);
+    }
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  if constexpr (kWarpsPerRow == 1) {
+    if (lane == 0 && row < o.M) rowdot[row] = acc;
+  } else {
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) part[warp] = acc;
+    __syncthreads();
+    if (lane == 0 && row < o.M) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarpsPerRow; ++w) s += part[warp + w];
+      rowdot[row] = s;
+    }
+  }
+}
+
+template <class T, int kVec>
+void launch_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream) {
+  const int64_t vecs = (o.N + kVec - 1) / kVec;  // kVec > 1 implies N % kVec == 0
+  auto run = [&](auto lanes) {
+    constexpr int kLanes = decltype(lanes)::value;
+    const int64_t blocks = (o.M + kRowdotThreads / kLanes - 1) / (kRowdotThreads / kLanes);
+    softmax_grad_rowdot_kernel<T, kVec, kLanes>
+        <<<unsigned(blocks), kRowdotThreads, 0, stream>>>(o, rowdot);
+  };
+  // About 4..16 loads per lane and tensor: enough in flight without idling lanes on short rows.
+  if (vecs <= 128) {
+    run(std::integral_constant<int, 32>{});
+  } else if (vecs <= 512) {
+    run(std::integral_constant<int, 64>{});
+  } else if (vecs <= 2048) {
+    run(std::integral_constant<int, 128>{});
+  } else {
+    run(std::integral_constant<int, 256>{});
+  }
+}
+
+// ---- column sums ---------------------------------------------------------------------------------
+// column_stats.cu's layout: a block owns a band of 32 columns and strides over every row, 16-byte
+// vectors (kVec elements) per thread and row, kRowsInFlight rows loaded before the first use; lanes
+// holding the same columns add by shuffles, the warps through shared memory in warp order.
+constexpr int kCols = 32;
+constexpr int kRowsInFlight = 4;
+
+template <class T, int kVec, bool kSoftmax, int kThreads>
+__global__ void __launch_bounds__(kThreads)
+head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
+  constexpr int kLanesPerRow = kCols / kVec;
+  constexpr int kRowGroups = kThreads / kLanesPerRow;
+  constexpr int kWarps = kThreads / 32;
+  __shared__ double part_s1[kWarps][kCols];
+  __shared__ double part_s3[kWarps][kCols];
+
+  const int lane = threadIdx.x % 32;
+  const int sub = threadIdx.x % kLanesPerRow;
+  const int group = threadIdx.x / kLanesPerRow;
+  const int64_t col0 = int64_t(blockIdx.x) * kCols;
+  const int64_t col = col0 + int64_t(sub) * kVec;
+  double s1[kVec] = {}, s3[kVec] = {};
+  auto add = [&](const float (&dv)[kVec], const float (&z)[kVec]) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      s1[e] += dv[e];
+      s3[e] = fma(double(dv[e]), double(z[e]), s3[e]);  // exact product of two fp32 values
+    }
+  };
+  if (col < o.N) {
+    int64_t row = group;
+    for (; row + (kRowsInFlight - 1) * kRowGroups < o.M; row += kRowsInFlight * kRowGroups) {
+      float dv[kRowsInFlight][kVec], z[kRowsInFlight][kVec];
+#pragma unroll
+      for (int r = 0; r < kRowsInFlight; ++r)
+        load_dv_z<T, kVec, kSoftmax>(o, row + r * kRowGroups, col, dv[r], z[r]);
+#pragma unroll
+      for (int r = 0; r < kRowsInFlight; ++r) add(dv[r], z[r]);
+    }
+    for (; row < o.M; row += kRowGroups) {
+      float dv[kVec], z[kVec];
+      load_dv_z<T, kVec, kSoftmax>(o, row, col, dv, z);
+      add(dv, z);
+    }
+  }
+#pragma unroll
+  for (int offset = kLanesPerRow; offset < 32; offset *= 2)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      s1[e] += __shfl_xor_sync(0xffffffffu, s1[e], offset);
+      s3[e] += __shfl_xor_sync(0xffffffffu, s3[e], offset);
+    }
+  if (lane < kLanesPerRow) {
+    const int warp = threadIdx.x / 32;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      part_s1[warp][lane * kVec + e] = s1[e];
+      part_s3[warp][lane * kVec + e] = s3[e];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kCols && col0 + threadIdx.x < o.N) {
+    double a = 0.0, b = 0.0;
+    for (int w = 0; w < kWarps; ++w) {
+      a += part_s1[w][threadIdx.x];
+      b += part_s3[w][threadIdx.x];
+    }
+    sums[col0 + threadIdx.x] = a;
+    sums[o.N + col0 + threadIdx.x] = b;
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) sums[2 * o.N] = double(o.M);
+}
+
+template <class T, int kVec, bool kSoftmax>
+void launch_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
+  const unsigned blocks = unsigned((o.N + kCols - 1) / kCols);
+  // column_stats.cu's rule: 1024 threads while the bands fit one per SM, 512 (two per SM) beyond.
+  if (blocks > unsigned(sm_count(current_device()))) {
+    head_grad_sums_kernel<T, kVec, kSoftmax, 512><<<blocks, 512, 0, stream>>>(o, sums);
+  } else {
+    head_grad_sums_kernel<T, kVec, kSoftmax, 1024><<<blocks, 1024, 0, stream>>>(o, sums);
+  }
+}
+
+// ---- per-column coefficients -----------------------------------------------------------------
+// One block: the per-column math is a few fp64 operations, and a one-element scale's gradient is
+// the sum over the columns, which one block reduces in a fixed order.
+constexpr int kCoefThreads = 512;
+
+struct ColumnGrads {
+  double A, B, C, bias, gamma, beta, pre, post;
+};
+
+// fold.grad_coefficients for column n.
+template <class P>
+__device__ ColumnGrads column_grads(const GradCoefficientProblem& p, int64_t n) {
+  const FoldProblem& f = p.params;
+  const int64_t N = f.N;
+  const double s1 = p.sums[n], s3 = p.sums[N + n], rows = p.sums[2 * N];
+  const double mean = p.moments[n], var = p.moments[N + n];
+  const double b = load_or<P>(f.bias, N, n, 0.0);
+  const double pre = load_or<P>(f.pre_scale, f.pre_scale_numel, n, 1.0);
+  const double post = load_or<P>(f.post_scale, f.post_scale_numel, n, 1.0);
+  const double gamma = load_param(static_cast<const P*>(f.gamma), n);
+  const double beta = load_param(static_cast<const P*>(f.beta), n);
+
+  const double invstd = 1.0 / sqrt(var + f.eps);
+  const double alpha = pre * invstd, delta = (pre * b - mean) * invstd;  // yhat = alpha z + delta
+  const double s2 = alpha * s3 + delta * s1;
+  const double k = gamma * post * invstd;
+  ColumnGrads r;
+  r.A = pre * k;
+  r.gamma = post * s2;
+  r.beta = post * s1;
+  r.post = gamma * s2 + beta * s1;
+  double sum_du, sum_du_zb;  // sum_m du, sum_m du * (z + bias) over this batch's rows
+  if (p.training) {
+    // Batch terms from G1 = sum dyhat, G2 = sum dyhat * yhat over all ranks' rows (dyhat =
+    // gamma * post * dv); without synchronization, this batch's.
+    double g1 = gamma * post * s1, g2 = gamma * post * s2, rows_g = rows;
+    if (p.global_sums != nullptr) {
+      g1 = p.global_sums[n];
+      g2 = p.global_sums[N + n];
+      rows_g = p.global_sums[2 * N];
+    }
+    const double mean_g1 = g1 / rows_g, mean_g2 = g2 / rows_g;
+    r.B = -pre * invstd * alpha * mean_g2;
+    r.C = -pre * invstd * (mean_g1 + delta * mean_g2);
+    const double cs = p.colsum[n], css = p.colsumsq[n];
+    const double sum_yhat = alpha * cs + delta * rows;
+    const double sum_yhat_zb = alpha * css + (alpha * b + delta) * cs + delta * b * rows;
+    sum_du = k * s1 - invstd * (rows * mean_g1 + sum_yhat * mean_g2);
+    sum_du_zb = k * (s3 + b * s1) - invstd * (mean_g1 * (cs + b * rows) + mean_g2 * sum_yhat_zb);
+  } else {
+    r.B = 0.0;
+    r.C = 0.0;
+    sum_du = k * s1;
+    sum_du_zb = k * (s3 + b * s1);
+  }
+  r.bias = pre * sum_du;
+  r.pre = sum_du_zb;
+  return r;
+}
+
+// Fixed-order block sum (thread 0 gets the result).
+__device__ double block_sum(double v, double* scratch) {
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = kCoefThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) scratch[threadIdx.x] += scratch[threadIdx.x + half];
+    __syncthreads();
+  }
+  const double total = scratch[0];
+  __syncthreads();
+  return total;
+}
+
+template <class P>
+__global__ void __launch_bounds__(kCoefThreads)
+head_grad_coefficients_kernel(GradCoefficientProblem p) {
+  __shared__ double scratch[kCoefThreads];
+  const FoldProblem& f = p.params;
+  const int64_t N = f.N;
+  const bool pre_sum = f.pre_scale != nullptr && f.pre_scale_numel == 1;
+  const bool post_sum = f.post_scale != nullptr && f.post_scale_numel == 1;
+  double pre_total = 0.0, post_total = 0.0;
+  for (int64_t n = threadIdx.x; n < N; n += kCoefThreads) {
+    const ColumnGrads r = column_grads<P>(p, n);
+    p.coef[n] = float(r.A);
+    p.coef[N + n] = float(r.B);
+    p.coef[2 * N + n] = float(r.C);
+    if (p.grad_bias != nullptr) store_param(static_cast<P*>(p.grad_bias), n, r.bias);
+    store_param(static_cast<P*>(p.grad_gamma), n, r.gamma);
+    store_param(static_cast<P*>(p.grad_beta), n, r.beta);
+    if (pre_sum) {
+      pre_total += r.pre;
+    } else if (p.grad_pre != nullptr) {
+      store_param(static_cast<P*>(p.grad_pre), n, r.pre);
+    }
+    if (post_sum) {
+      post_total += r.post;
+    } else if (p.grad_post != nullptr) {
+      store_param(static_cast<P*>(p.grad_post), n, r.post);
+    }
+  }
+  if (pre_sum) {
+    const double total = block_sum(pre_total, scratch);
+    if (threadIdx.x == 0) store_param(static_cast<P*>(p.grad_pre), 0, total);
+  }
+  if (post_sum) {
+    const double total = block_sum(post_total, scratch);
+    if (threadIdx.x == 0) store_param(static_cast<P*>(p.grad_post), 0, total);
+  }
+}
+
+// ---- dz ---------------------------------------------------------------------------------------
+// column_affine.cu's layout: a thread owns one vector of columns (its A, B, C loaded once) and
+// streams a band of rows.
+constexpr int kZThreads = 256;
+
+template <class T, int kVec, bool kSoftmax>
+__global__ void __launch_bounds__(kZThreads)
+head_grad_z_kernel(GradOperands o, const float* __restrict__ coef, T* __restrict__ dz,
+                   int64_t ld_dz, int64_t rows_per_block) {
+  const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
+  if (col >= o.N) return;  // kVec > 1 implies N % kVec == 0
+  float A[kVec], B[kVec], C[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    A[j] = __ldg(coef + col + j);
+    B[j] = __ldg(coef + o.N + col + j);
+    C[j] = __ldg(coef + 2 * o.N + col + j);
+  }
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
+  const int64_t r1 = std::min<int64_t>(o.M, r0 + rows_per_block);
+  for (int64_t row = r0; row < r1; ++row) {
+    float dv[kVec], z[kVec];
+    load_dv_z<T, kVec, kSoftmax>(o, row, col, dv, z);
+    T* dst = dz + row * ld_dz + col;
+    if constexpr (kVec > 1) {
+      Vec16<T> v;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v.v[j] = from_float<T>(fmaf(A[j], dv[j], fmaf(B[j], z[j], C[j])));
+      *reinterpret_cast<Vec16<T>*>(dst) = v;
+    } else {
+      *dst = from_float<T>(fmaf(A[0], dv[0], fmaf(B[0], z[0], C[0])));
+    }
+  }
+}
+
+template <class T, int kVec, bool kSoftmax>
+void launch_z(const GradOperands& o, const float* coef, T* dz, int64_t ld_dz, cudaStream_t stream) {
+  const int64_t vecs = o.N / kVec;
+  const int64_t col_blocks = (vecs + kZThreads - 1) / kZThreads;
+  // About 2048 resident threads per SM, bands of at least 4 rows (as column_affine.cu).
+  const int64_t sms = std::max(sm_count(current_device()), 1);
+  const int64_t want = std::max<int64_t>(1, sms * (2048 / kZThreads) / col_blocks);
+  const int64_t bands = std::min<int64_t>({want, (o.M + 3) / 4, 65535});
+  const int64_t rows_per_block = (o.M + bands - 1) / bands;
+  const dim3 grid(unsigned(col_blocks), unsigned((o.M + rows_per_block - 1) / rows_per_block));
+  head_grad_z_kernel<T, kVec, kSoftmax><<<grid, kZThreads, 0, stream>>>(o, coef, dz, ld_dz,
+                                                                        rows_per_block);
+}
+
+// Calls fn(T{}, vector width, softmax) with the compile-time choices for these operands.
+template <class Fn>
+void dispatch_grad(const GradOperands& o, bool extra_vectorizable, Fn&& fn) {
+  dispatch_dtype(o.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int kVec = Vec16<T>::kSize;
+    const bool vec = extra_vectorizable && vectorizable<T>(o);
+    auto by_softmax = [&](auto width) {
+      if (o.out != nullptr) {
+        fn(tag, width, std::true_type{});
+      } else {
+        fn(tag, width, std::false_type{});
+      }
+    };
+    if (vec) {
+      by_softmax(std::integral_constant<int, kVec>{});
+    } else {
+      by_softmax(std::integral_constant<int, 1>{});
+    }
+  });
+}
+
+}  // namespace
+
+void softmax_grad_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream) {
+  if (o.M == 0) return;
+  dispatch_grad(o, true, [&](auto tag, auto width, auto) {
+    launch_rowdot<decltype(tag), decltype(width)::value>(o, rowdot, stream);
+  });
+  check_launch("softmax_grad_rowdot");
+}
+
+void head_grad_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
+  if (o.N == 0) return;  // the op layer writes the lone row count
+  dispatch_grad(o, true, [&](auto tag, auto width, auto softmax) {
+    launch_sums<decltype(tag), decltype(width)::value, decltype(softmax)::value>(o, sums, stream);
+  });
+  check_launch("head_grad_sums");
+}
+
+void head_grad_coefficients(const GradCoefficientProblem& p, cudaStream_t stream) {
+  if (p.params.N == 0) return;
+  dispatch_dtype(p.params.param_dtype, [&](auto tag) {
+    head_grad_coefficients_kernel<decltype(tag)><<<1, kCoefThreads, 0, stream>>>(p);
+  });
+  check_launch("head_grad_coefficients");
+}
+
+void head_grad_z(const GradOperands& o, const float* coef, void* dz, int64_t ld_dz,
+                 cudaStream_t stream) {
+  if (o.M == 0 || o.N == 0) return;
+  dispatch_grad(o, is_aligned16(dz), [&](auto tag, auto width, auto softmax) {
+    using T = decltype(tag);
+    constexpr int kVec = decltype(width)::value;
+    if (kVec > 1 && ld_dz % kVec != 0) {
+      launch_z<T, 1, decltype(softmax)::value>(o, coef, static_cast<T*>(dz), ld_dz, stream);
+    } else {
+      launch_z<T, kVec, decltype(softmax)::value>(o, coef, static_cast<T*>(dz), ld_dz, stream);
+    }
+  });
+  check_launch("head_grad_z");
+}
+
+}  // namespace epifuse

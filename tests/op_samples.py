@@ -49,8 +49,6 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
     return {
         "gemm_affine": [(x, w, a, c, prec)],
         "gemm_colstats": [(x, w, prec)],
-        # a [M, K] . b [N, K]^T, b contiguous and b a transposed view (the backward's dX and dW)
-        "matmul_nt": [(x, w, prec), (x, t(k, n).t(), prec)],
         "bn_fold_train": [
             (colsum, colsumsq, m, bias, gamma, beta, None, s1, *stats(), 0.1, 1e-5),
             (colsum, colsumsq, m, None, gamma, beta, sn, None, *stats(), None, 1e-3),

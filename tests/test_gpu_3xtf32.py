@@ -131,20 +131,20 @@ def test_graph_replay_sees_weight_updates():
 
 @hopper_only
 @pytest.mark.parametrize("precision,tol", [("3xtf32", 1e-6), ("ieee", 1e-6), ("tf32", 3e-3)])
-def test_matmul_nt_transposed_views(precision, tol):
+def test_backward_matmul_transposed_views(precision, tol):
     """The backward's GEMMs, dX = dZ . W and dW = dZ^T . X, take transposed views, no copies."""
     g = torch.Generator(device=CUDA).manual_seed(5)
     dz = torch.randn(640, 512, device=CUDA, generator=g)   # [M, N]
     w = torch.randn(512, 768, device=CUDA, generator=g)    # [N, K]
     x = torch.randn(640, 768, device=CUDA, generator=g)    # [M, K]
-    dx = ops.matmul_nt(dz, w.t(), precision)
+    dx = ops.backward_matmul(dz, w, precision)
     assert dx.shape == (640, 768) and dx.is_contiguous()
     assert rel_err(dx, dz.double() @ w.double()) <= tol
-    dw = ops.matmul_nt(dz.t(), x.t(), precision)
+    dw = ops.backward_matmul(dz.t(), x, precision)
     assert dw.shape == (512, 768)
     assert rel_err(dw, dz.double().T @ x.double()) <= tol
     if precision == "3xtf32":
-        assert _ran_split_gemm(lambda: ops.matmul_nt(dz.t(), x.t(), precision))
+        assert _ran_split_gemm(lambda: ops.backward_matmul(dz.t(), x, precision))
 
 
 def test_ieee_ignores_the_global_tf32_setting():

@@ -262,24 +262,6 @@ at::Tensor gemm_affine_cuda(const at::Tensor& x, const at::Tensor& weight, const
   return g.out;
 }
 
-// a [M, K] . b [N, K]^T in `precision`, for the GEMMs of the backward (dX = dZ . W and
-// dW = dZ^T . X, with transposed views as operands). 3xTF32 on Hopper runs the epifuse GEMM
-// (its split reads the views directly, no transposed copy); TF32, 16-bit and IEEE run cuBLAS,
-// which takes any layout at full speed.
-at::Tensor matmul_nt_cuda(const at::Tensor& a, const at::Tensor& b, c10::string_view precision) {
-  const char* op = "matmul_nt";
-  const auto guard = guard_for(a, op, "a");
-  PreparedGemm g = prepare_gemm(a, b, std::string(precision), Epilogue::kAffine, op,
-                                /*keep_views=*/true);
-  if (g.problem.M == 0 || g.problem.N == 0) return g.out;
-  if (!gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
-    cublas_product(g);
-    return g.out;
-  }
-  run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
-  return g.out;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_colstats_cuda(const at::Tensor& x,
                                                                   const at::Tensor& weight,
                                                                   c10::string_view precision) {
@@ -666,32 +648,6 @@ at::Tensor head_grad_z_cuda(const at::Tensor& grad, const std::optional<at::Tens
   return dz;
 }
 
-// cuBLAS's fp32 math mode for one call, whatever torch.backends.cuda.matmul says globally (the
-// setting is process-wide; it is restored on every exit, exceptions included).
-class CublasTF32Guard {
- public:
-  explicit CublasTF32Guard(bool allow) : saved_(at::globalContext().allowTF32CuBLAS()) {
-    at::globalContext().setAllowTF32CuBLAS(allow);
-  }
-  ~CublasTF32Guard() { at::globalContext().setAllowTF32CuBLAS(saved_); }
-  CublasTF32Guard(const CublasTF32Guard&) = delete;
-  CublasTF32Guard& operator=(const CublasTF32Guard&) = delete;
-
- private:
-  bool saved_;
-};
-
-// The backward's GEMMs (dX = dz . W, dW = dz^T . x) in the forward GEMM's precision: the one place
-// that decides how they run. 16-bit: cuBLAS on the tensor cores. fp32 'tf32': cuBLAS TF32; 'ieee':
-// cuBLAS FFMA SGEMM; '3xtf32': cuBLAS FFMA SGEMM as well (at least as accurate as 3xTF32, and
-// faster than the sm80 3xTF32 kernels on Hopper; see README "Precision"). A Hopper 3xTF32 GEMM,
-// when there is one, is routed from here.
-at::Tensor backward_matmul(const at::Tensor& a, const at::Tensor& b, MathMode math) {
-  if (math == MathMode::kNative) return at::mm(a, b);
-  const CublasTF32Guard tf32(math == MathMode::kTF32);
-  return at::mm(a, b);
-}
-
 at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                                 c10::string_view precision) {
   const char* op = "backward_matmul";
@@ -704,7 +660,15 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                 b.scalar_type());
   EPIFUSE_CHECK(a.size(1) == b.size(0), "mat1 and mat2 shapes cannot be multiplied (", a.size(0),
                 "x", a.size(1), " and ", b.size(0), "x", b.size(1), ")");
-  return backward_matmul(a, b, math_mode(std::string(precision), to_dtype(a, op), op));
+  // a . b = a . (b^T)^T: the GEMM of the forward with b^T as its weight, a view (no copy).
+  PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op,
+                                /*keep_views=*/true);
+  if (gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
+    run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
+  } else {
+    cublas_product(g);
+  }
+  return g.out;
 }
 
 }  // namespace
@@ -713,7 +677,6 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
 TORCH_LIBRARY(epifuse, m) {
   m.def("gemm_affine(Tensor x, Tensor weight, Tensor a, Tensor c, str precision) -> Tensor");
   m.def("gemm_colstats(Tensor x, Tensor weight, str precision) -> (Tensor, Tensor, Tensor)");
-  m.def("matmul_nt(Tensor a, Tensor b, str precision) -> Tensor");
   m.def(
       "bn_fold_train(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, Tensor gamma, "
       "Tensor beta, Tensor? pre_scale, Tensor? post_scale, Tensor(a!) running_mean, "
@@ -749,7 +712,6 @@ TORCH_LIBRARY(epifuse, m) {
 TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {
   m.impl("gemm_affine", &epifuse::gemm_affine_cuda);
   m.impl("gemm_colstats", &epifuse::gemm_colstats_cuda);
-  m.impl("matmul_nt", &epifuse::matmul_nt_cuda);
   m.impl("bn_fold_train", &epifuse::bn_fold_train_cuda);
   m.impl("bn_fold_eval", &epifuse::bn_fold_eval_cuda);
   m.impl("affine_softmax", &epifuse::affine_softmax_cuda);

@@ -22,7 +22,6 @@ from . import op_checks as _checks
 OP_NAMES = (
     "epifuse::gemm_affine",
     "epifuse::gemm_colstats",
-    "epifuse::matmul_nt",
     "epifuse::bn_fold_train",
     "epifuse::bn_fold_eval",
     "epifuse::affine_softmax",
@@ -41,7 +40,6 @@ _ops = torch.ops.epifuse
 # OpOverloads bound once: calling .default skips the overload-packet lookup.
 _gemm_affine = _ops.gemm_affine.default
 _gemm_colstats = _ops.gemm_colstats.default
-_matmul_nt = _ops.matmul_nt.default
 _bn_fold_train = _ops.bn_fold_train.default
 _bn_fold_eval = _ops.bn_fold_eval.default
 _affine_softmax = _ops.affine_softmax.default
@@ -88,11 +86,6 @@ def gemm_affine(x: Tensor, weight: Tensor, a: Tensor, c: Tensor, precision: str)
 def gemm_colstats(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor, Tensor]:
     """``z = x @ weight.T`` and float64 column sums / sums of squares of the fp32 accumulator."""
     return _gemm_colstats(x, weight, precision)
-
-
-def matmul_nt(a: Tensor, b: Tensor, precision: str) -> Tensor:
-    """``a @ b.T`` (a [M, K], b [N, K], any strides) in ``precision``: the backward's GEMMs."""
-    return _matmul_nt(a, b, precision)
 
 
 def bn_fold_train(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
@@ -214,12 +207,6 @@ def _gemm_colstats_cpu(x, weight, precision):
     z64 = _gemm64(x, weight)
     colsum, colsumsq = fold.column_stats(z64)
     return z64.to(x.dtype), colsum, colsumsq
-
-
-@torch.library.register_kernel("epifuse::matmul_nt", "cpu")
-def _matmul_nt_cpu(a, b, precision):
-    _check_precision(precision)
-    return _gemm64(a, b).to(a.dtype)
 
 
 @torch.library.register_kernel("epifuse::bn_fold_train", "cpu")
@@ -366,13 +353,6 @@ def _gemm_colstats_fake(x, weight, precision):
     n = weight.shape[0]
     return (x.new_empty((x.shape[0], n)), x.new_empty((n,), dtype=_F64),
             x.new_empty((n,), dtype=_F64))
-
-
-@torch.library.register_fake("epifuse::matmul_nt")
-def _matmul_nt_fake(a, b, precision):
-    torch._check(a.dim() == 2 and b.dim() == 2, lambda: "a and b must be 2-D")
-    torch._check(a.shape[1] == b.shape[1], lambda: "a and b disagree on K")
-    return a.new_empty((a.shape[0], b.shape[0]))
 
 
 @torch.library.register_fake("epifuse::bn_fold_train")

@@ -27,7 +27,7 @@ def test_main_cpu_smoke():
 
 def test_main_rejects_bad_option():
     out = _run("--problem", "12")
-    assert out.returncode == 2 and "invalid choice" in out.stderr
+    assert out.returncode == 2 and "unknown problem '12'" in out.stderr
 
 
 def test_mismatch_sets_exit_code(monkeypatch, capsys):

@@ -20,4 +20,4 @@ Modules, one job each:
 
 # The optional packages the benchmark uses (pyproject.toml's `bench` extra), for the messages
 # printed when one is missing.
-EXTRA_HINT = "pip install 'epifuse[bench]' (matplotlib, tqdm)"
+EXTRA_HINT = "install the bench extra: pip install 'epifuse[bench]' (matplotlib, tqdm)"

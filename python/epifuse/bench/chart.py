@@ -7,7 +7,7 @@ from collections import Counter, OrderedDict
 from typing import Callable, Sequence
 
 from . import EXTRA_HINT
-from .configs import PROBLEM_NAMES
+from .configs import DTYPES, PROBLEM_NAMES
 from .report import split_sweep
 
 IMPL_COLORS = OrderedDict([("ours", "#1f77b4"), ("eager", "#ff7f0e"), ("compile", "#2ca02c")])
@@ -34,7 +34,7 @@ def draw(out_dir: str, env: dict, results, softmax, copy,
     """Write the charts into ``out_dir``; returns their paths ([] without matplotlib)."""
     plt = _pyplot()
     if plt is None:
-        log(f"matplotlib is not installed: no chart drawn ({EXTRA_HINT})")
+        log(f"matplotlib is not installed, so no chart was drawn; {EXTRA_HINT}")
         return []
     paths = []
     main, sweep = split_sweep(results)
@@ -104,7 +104,8 @@ def _sweep(plt, env, results, copy):
     """
     rs_all = [r for r in results if not r.case.skip]
     modes = list(OrderedDict.fromkeys(r.case.mode for r in rs_all))
-    dtypes = list(OrderedDict.fromkeys(r.case.spec.name for r in rs_all))
+    order = list(DTYPES)  # fp32-ieee, fp32-3xtf32, fp32-tf32, bf16, fp16: the tables' order
+    dtypes = sorted({r.case.spec.name for r in rs_all}, key=order.index)
     impls = impls_drawn(rs_all)
     fig, axes = plt.subplots(len(modes), len(dtypes), figsize=(3.4 * len(dtypes), 2.9 * len(modes)),
                              squeeze=False, sharex=True)

@@ -17,7 +17,7 @@ class Progress:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
-                print(f"epifuse.bench: tqdm is not installed: plain progress lines ({EXTRA_HINT})",
+                print(f"epifuse.bench: tqdm is not installed: plain progress lines; {EXTRA_HINT}",
                       file=sys.stderr, flush=True)
             else:
                 self._bar = tqdm(total=total, desc=desc, unit="cfg", dynamic_ncols=True,

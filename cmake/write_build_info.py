@@ -46,7 +46,8 @@ def epifuse_version(source_dir: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="path of build_info.json")
-    p.add_argument("--nvcc", default=None, help="CUDA compiler version (CMAKE_CUDA_COMPILER_VERSION)")
+    p.add_argument("--nvcc", default=None,
+                   help="CUDA compiler version (CMAKE_CUDA_COMPILER_VERSION)")
     p.add_argument("--archs", default="", help="comma list of EPIFUSE_ARCHS")
     p.add_argument("--source-dir", default=str(Path(__file__).resolve().parents[1]))
     args = p.parse_args(argv)

@@ -86,7 +86,8 @@ def torch_mismatch(info: BuildInfo, torch_version: str, torch_cuda: Optional[str
     against; the library links libcudart of the toolkit's major version and libtorch_cuda, so
     the CUDA major version must match too (and a CPU-only torch cannot load it).
     """
-    built = f"torch {info.torch_version}" + (f" (CUDA {info.torch_cuda})" if info.torch_cuda else "")
+    built = f"torch {info.torch_version}"
+    built += f" (CUDA {info.torch_cuda})" if info.torch_cuda else ""
     have = f"torch {torch_version}" + (f" (CUDA {torch_cuda})" if torch_cuda else " (no CUDA)")
     same_release = public_version(torch_version) == info.torch_public_version
     same_cuda = _major(torch_cuda) == _major(info.torch_cuda)

@@ -302,8 +302,9 @@ def markdown_report(env: dict, settings: dict, results, softmax, copy,
     lines += [
         "Method: forward passes under `torch.no_grad()`; each time is the median of "
         f"{settings.get('iters')} (or fewer for slow calls, at least {settings.get('min_iters')}) "
-        f"{timer_name(env)} timings after {settings.get('warmup')} warm-up calls, cycling several distinct "
-        "inputs so that the activations do not stay in L2. fp32 rows: `fp32-ieee` = TF32 off "
+        f"{timer_name(env)} timings after {settings.get('warmup')} warm-up calls, cycling several "
+        "distinct inputs so that the activations do not stay in L2. fp32 rows: `fp32-ieee` = TF32 "
+        "off "
         "(`torch.set_float32_matmul_precision('highest')`, `ModelNew(precision='ieee')`), "
         "`fp32-3xtf32` = ours in 3xTF32 (`precision='3xtf32'`) against PyTorch in IEEE fp32, "
         "`fp32-tf32` = TF32 on for both (`'high'` / `precision='tf32'`). All implementations "

@@ -21,7 +21,10 @@ def test_main_cpu_smoke():
     out = _run("--iters", "2", "--dtype", "float32", "bfloat16")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "No CUDA GPU" in out.stdout
-    for needle in ("problem 84", "problem 39", "train OK", "eval  OK", "dtype=bfloat16", "ALL OK"):
+    import epifuse
+
+    for needle in (f"epifuse {epifuse.__version__}", "problem 84", "problem 39", "train OK",
+                   "eval  OK", "dtype=bfloat16", "ALL OK"):
         assert needle in out.stdout, needle
 
 

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 
 from . import cli, problems
+from ._library import build_info
 from ._version import __version__
 from .head import fast_path_reason
 from .precision import resolve_precision
@@ -149,6 +150,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    info = build_info()
+    print(f"epifuse {__version__}" + (f" ({info.summary()})" if info else ""))
     if torch.cuda.is_available():
         device = torch.device("cuda")
         sizes = _SMALL if args.small else None

@@ -46,6 +46,13 @@ class BuildInfo:
         return f"torch=={self.torch_public_version}"
 
 
+    def summary(self) -> str:
+        """One line for logs: ``commit abc1234, torch 2.14.1+cu130 (CUDA 13.0), archs 80,90a``."""
+        cuda = f" (CUDA {self.torch_cuda})" if self.torch_cuda else ""
+        return (f"commit {self.git_commit or 'unknown'}, torch {self.torch_version}{cuda}, "
+                f"archs {','.join(self.archs) or 'none'}")
+
+
 def public_version(version: str) -> str:
     """``2.14.1+cu130`` -> ``2.14.1`` (PEP 440's public version)."""
     return version.split("+", 1)[0]

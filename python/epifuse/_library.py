@@ -33,6 +33,11 @@ def default_library_path() -> Path:
     return Path(__file__).resolve().parent / "lib" / LIBRARY_NAME
 
 
+def build_info() -> Optional[_build_info.BuildInfo]:
+    """What the packaged library was built against (None for a build without the record)."""
+    return _build_info.read(default_library_path().parent)
+
+
 def check_torch(lib_dir: Union[str, os.PathLike]) -> None:
     """Raise TorchMismatchError if the library in ``lib_dir`` needs another torch.
 

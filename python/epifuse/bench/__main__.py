@@ -34,6 +34,9 @@ from .runner import CaseResult, KBReference, describe, free_memory, run_case
 from .timing import TimingSettings
 
 
+AUTO = "auto"  # --device default: cuda when there is one, else the CPU dry run
+
+
 def _csv(kind: str, choices, convert=str):
     def parse(text: str):
         items = [t.strip() for t in text.split(",") if t.strip()]
@@ -113,9 +116,6 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     args.problems = list(sel.problems)
     args.dtypes = [c.name for c in sel.columns]  # fp32-<precision>, bf16, fp16: DTYPES' keys
     return args
-
-
-AUTO = "auto"
 
 
 def resolve_device(name: str) -> torch.device:

@@ -12,6 +12,16 @@
 # there), so the benchmark always matches the checkout. Output: bench-out/.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# --help: the comment block above, without building, installing or writing anything.
+usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+for arg in "$@"; do
+  if [[ "$arg" == -h || "$arg" == --help ]]; then
+    usage
+    printf '\nOptions (python -m epifuse.bench --help):\n'
+    "$ROOT/scripts/_module_help.sh" epifuse.bench
+    exit 0
+  fi
+done
 cd "$ROOT"
 
 PY="${PYTHON:-python3}"

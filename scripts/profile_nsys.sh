@@ -18,6 +18,8 @@ ORIG_PWD="$PWD"
 cd "$ROOT"
 
 say() { printf '[profile] %s\n' "$*"; }
+# --help: the comment block above, without building, installing or writing anything.
+usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 
 problem=84 mode=train out="$ORIG_PWD/profile-out"
 pass=()
@@ -29,7 +31,7 @@ while (($#)); do
     --out=*) out="${1#--out=}" ;;
     --mode) mode="$2"; shift ;;
     --mode=*) mode="${1#--mode=}" ;;
-    -h|--help) sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     *) pass+=("$1") ;;
   esac
   shift

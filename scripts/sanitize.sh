@@ -14,9 +14,22 @@
 #   COMPUTE_SANITIZER         path of compute-sanitizer (else PATH, $CUDA_HOME/bin,
 #                             /usr/local/cuda/bin, /opt/nvidia/...)
 #   PYTHON                    interpreter (default python3)
+#
+# -h / --help prints this text.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${1:-$PWD/sanitize-out}"
+# --help: the comment block above, without building, installing or writing anything.
+usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+OUT=""
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) usage; exit 0 ;;
+    -*) echo "[sanitize] error: unknown option '$arg' (see --help)" >&2; exit 2 ;;
+    *) [[ -z "$OUT" ]] || { echo "[sanitize] error: one OUTDIR only (see --help)" >&2; exit 2; }
+       OUT="$arg" ;;
+  esac
+done
+OUT="${OUT:-$PWD/sanitize-out}"
 PY="${PYTHON:-python3}"
 DRIVER="$ROOT/scripts/sanitize_driver.py"
 TOOLS="${EPIFUSE_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"

@@ -21,7 +21,20 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="skip the data-parallel (many-tile) GEMMs: for racecheck")
+    parser.add_argument("--list", action="store_true", help="print the sweep and exit")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    # Before torch and epifuse load: --help (and a bad option) must answer without a build.
+    OPTS = parse_args()
+
+import torch  # noqa: E402
 
 try:
     import epifuse
@@ -29,9 +42,9 @@ except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     import epifuse
 
-from epifuse import fold, ops
-from epifuse.problems import gemm_bn_scale_softmax as p84
-from epifuse.problems import gemm_scale_bn as p39
+from epifuse import fold, ops  # noqa: E402
+from epifuse.problems import gemm_bn_scale_softmax as p84  # noqa: E402
+from epifuse.problems import gemm_scale_bn as p39  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 1e-4, "3xtf32": 1e-4, "tf32": 5e-3, "bf16": 3e-2, "fp16": 5e-3}
@@ -223,12 +236,7 @@ def models(shapes) -> None:
                                f"M{m} K{k} N{n}", y, want, tol)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="skip the data-parallel (many-tile) GEMMs: for racecheck")
-    parser.add_argument("--list", action="store_true", help="print the sweep and exit")
-    opts = parser.parse_args()
+def main(opts: argparse.Namespace) -> int:
     gemm_shapes = GEMM_SHAPES + ([] if opts.quick else GEMM_SHAPES_FULL)
     if opts.list:
         print(f"gemm (M, N, K): {gemm_shapes}\nrows (M, N): {ROW_SHAPES}\nfold N: {FOLD_N}\n"
@@ -257,4 +265,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(OPTS))

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # scripts/test.sh -- set up + build (scripts/build.sh), then the test suite.
-# Arguments are passed to pytest (e.g. scripts/test.sh -k fold -x).
+# Arguments are passed to pytest (e.g. scripts/test.sh -k fold -x); after `--` they are passed
+# as they are (scripts/test.sh -- --help shows pytest's own help, after the build).
+# -h / --help prints this text and does nothing else.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# --help: the comment block above, without building, installing or writing anything.
+usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+for arg in "$@"; do
+  [[ "$arg" == -- ]] && break
+  if [[ "$arg" == -h || "$arg" == --help ]]; then usage; exit 0; fi
+done
+if [[ "${1:-}" == -- ]]; then shift; fi
 cd "$ROOT"
 "$ROOT/scripts/build.sh"
 PY="$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')"

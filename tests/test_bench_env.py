@@ -22,3 +22,15 @@ def test_git_commit_from_environment(monkeypatch):
     """A checkout copied without .git (a remote GPU machine) names its commit itself."""
     monkeypatch.setenv("EPIFUSE_GIT_COMMIT", "abc1234")
     assert env._git_commit() == "abc1234"
+
+
+def test_environment_names_the_epifuse_build():
+    import epifuse
+    import torch
+    from epifuse._library import build_info
+
+    info = env.collect(torch.device("cpu"))
+    assert info["epifuse_version"] == epifuse.__version__
+    build = build_info()
+    assert info["epifuse_build"] == (build.summary() if build else None)
+    assert info["device"] == "cpu" and info["gpu"].startswith("none")

@@ -21,13 +21,19 @@ def test_main_cpu_smoke():
     out = _run("--iters", "2", "--dtype", "float32", "bfloat16")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "No CUDA GPU" in out.stdout
-    for needle in ("problem 84", "problem 39", "train OK", "eval  OK", "dtype=bfloat16", "ALL OK"):
+    import epifuse
+
+    for needle in (f"epifuse {epifuse.__version__}", "problem 84", "problem 39", "train OK",
+                   "eval  OK", "dtype=bfloat16", "ALL OK"):
         assert needle in out.stdout, needle
 
 
-def test_main_rejects_bad_option():
-    out = _run("--problem", "12")
-    assert out.returncode == 2 and "invalid choice" in out.stderr
+def test_main_rejects_bad_option(capsys):
+    from epifuse import __main__ as cli
+
+    with pytest.raises(SystemExit) as info:  # in process: argparse's usage error, exit status 2
+        cli.main(["--problem", "12"])
+    assert info.value.code == 2 and "unknown problem '12'" in capsys.readouterr().err
 
 
 def test_mismatch_sets_exit_code(monkeypatch, capsys):

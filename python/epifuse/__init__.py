@@ -1,9 +1,11 @@
 """epifuse: CUTLASS epilogue-fusion kernels for GEMM + BatchNorm heads.
 
-Importing the package loads the compiled op library (``lib/libepifuse_ops.so``)
-and registers the CPU and fake kernels of its ops.
+Importing the package checks that torch is the one the compiled op library
+(``lib/libepifuse_ops.so``) was built against (``lib/build_info.json``), loads
+the library and registers the CPU and fake kernels of its ops.
 """
 
+from ._version import __version__
 from ._library import load_library
 
 load_library()
@@ -17,5 +19,6 @@ from . import nn  # noqa: E402  (epifuse.nn: FusedLinearBatchNorm)
 from .fusion import FuseReport, fuse  # noqa: E402
 from .problems.gemm_bn_scale_softmax import ModelNew  # noqa: E402
 
-__all__ = ["FuseReport", "ModelNew", "convert_sync_batchnorm", "distributed", "fast_path_reason",
-           "fold", "fuse", "head", "nn", "ops", "precision", "problems", "softmax"]
+__all__ = ["FuseReport", "ModelNew", "__version__", "convert_sync_batchnorm", "distributed",
+           "fast_path_reason", "fold", "fuse", "head", "nn", "ops", "precision", "problems",
+           "softmax"]

@@ -6,7 +6,8 @@ on the same input, compare outputs and running statistics, report which path
 ran, and time both forwards. Exit status 1 on any mismatch.
 
 On a CUDA machine the problems run at their KernelBench sizes; without a GPU
-the CPU path runs on a small size.
+the CPU path runs on a small size. Problems, dtypes and precisions are spelled
+as for ``python -m epifuse.bench`` (see ``epifuse.cli``).
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from typing import Callable, Optional
 
 import torch
 
-from . import problems
+from . import cli, problems
+from ._library import build_info
+from ._version import __version__
 from .head import fast_path_reason
-from .precision import resolve_precision, validate_precision
+from .precision import resolve_precision
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Relative (Frobenius-norm) error allowed between ModelNew and Model. Both carry
 # their own rounding, so these are looser than the tests' bounds against float64.
-_TOLERANCE = {"ieee": 1e-4, "3xtf32": 1e-4, "tf32": 5e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+_TOLERANCE = {"ieee": 1e-4, "3xtf32": 1e-4, "tf32": 5e-3, torch.float16: 1e-2,
+              torch.bfloat16: 3e-2}
 _SMALL = (64, 256, 128)  # batch, in_features, out_features without a GPU (or with --small)
 
 
@@ -131,24 +134,24 @@ def run_problem(number: int, dtype: torch.dtype, precision: Optional[str], iters
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m epifuse", description=__doc__.split("\n\n")[0])
-    p.add_argument("--problem", choices=("84", "39", "all"), default="all")
-    p.add_argument("--dtype", nargs="+", choices=(*_DTYPES, "all"), default=["float32"])
-    p.add_argument("--precision", choices=("ieee", "3xtf32", "tf32"), default=None,
-                   help="fp32 GEMM precision (default: follow torch.get_float32_matmul_precision())")
+    p.add_argument("--version", action="version", version=f"epifuse {__version__}")
+    cli.add_selection_arguments(p, default_dtypes="fp32",
+                                default_precisions="follow torch.get_float32_matmul_precision()")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per measurement")
     p.add_argument("--small", action="store_true",
                    help=f"use the small size (batch, in, out) = {_SMALL} on CUDA too")
     args = p.parse_args(argv)
     if args.iters < 1:
         p.error("--iters must be >= 1")
+    # None: follow torch's fp32 matmul setting, as ModelNew(precision=None) does.
+    args.selection = cli.selection(args, default_dtypes=["fp32"], default_fp32_precisions=[None])
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    validate_precision(args.precision)
-    numbers = (84, 39) if args.problem == "all" else (int(args.problem),)
-    dtypes = list(_DTYPES.values()) if "all" in args.dtype else [_DTYPES[d] for d in args.dtype]
+    info = build_info()
+    print(f"epifuse {__version__}" + (f" ({info.summary()})" if info else ""))
     if torch.cuda.is_available():
         device = torch.device("cuda")
         sizes = _SMALL if args.small else None
@@ -159,9 +162,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("No CUDA GPU: running the CPU (reference) path on a small size "
               f"(batch {_SMALL[0]}, {_SMALL[1]}->{_SMALL[2]}).")
     ok = True
-    for number in numbers:
-        for dtype in dtypes:
-            ok &= run_problem(number, dtype, args.precision, args.iters, device, sizes)
+    for number in args.selection.problems:
+        for column in args.selection.columns:
+            ok &= run_problem(number, column.torch_dtype, column.precision, args.iters, device,
+                              sizes)
     print("ALL OK" if ok else "MISMATCH: ModelNew disagrees with Model")
     return 0 if ok else 1
 

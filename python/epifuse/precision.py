@@ -19,7 +19,8 @@ The ops take a precision string:
 
 from __future__ import annotations
 
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
 import torch
 
@@ -27,26 +28,27 @@ IEEE = "ieee"
 TF32X3 = "3xtf32"
 TF32 = "tf32"
 
-# Accepted spellings: ours, and torch.set_float32_matmul_precision's.
-_ALIASES = {
+# Accepted spellings: ours, and torch.set_float32_matmul_precision's. The one table:
+# ModelNew (validate_precision) and both command lines (epifuse.cli) read it.
+ALIASES: Mapping[str, str] = MappingProxyType({
     "ieee": IEEE,
     "highest": TF32X3,  # torch's name for fp32 accuracy: what None runs under it
     "3xtf32": TF32X3,
     "tf32": TF32,
     "high": TF32,
     "medium": TF32,
-}
+})
 
 
 def validate_precision(precision: Optional[str]) -> Optional[str]:
     """Canonical form of a user-given precision (None stays None: follow torch)."""
     if precision is None:
         return None
-    canonical = _ALIASES.get(precision) if isinstance(precision, str) else None
+    canonical = ALIASES.get(precision) if isinstance(precision, str) else None
     if canonical is None:
         raise ValueError(
             f"epifuse: unknown precision {precision!r}; expected one of "
-            f"{sorted(_ALIASES)} or None (follow torch.get_float32_matmul_precision())")
+            f"{sorted(ALIASES)} or None (follow torch.get_float32_matmul_precision())")
     return canonical
 
 

@@ -8,7 +8,7 @@ our row softmax against torch.softmax and the device's copy bandwidth.
 Modules, one job each:
   configs   what runs: problems and shapes, dtype/precision settings, the plan
   models    seeded models, primed running statistics, identical copies
-  timing    median timing (CUDA events or perf_counter) with rotated inputs
+  timing    median timing (CUDA events, or perf_counter on CPU) with rotated inputs
   accuracy  errors against a float64 reference
   runner    one model configuration: accuracy, timings, GEMM alone
   kernels   softmax sweep and device-to-device copy bandwidth
@@ -17,3 +17,7 @@ Modules, one job each:
   env       environment facts (GPU, versions, date, command line)
   report    text table, Markdown and JSON;  chart: the PNG (matplotlib)
 """
+
+# The optional packages the benchmark uses (pyproject.toml's `bench` extra), for the messages
+# printed when one is missing.
+EXTRA_HINT = "install the bench extra: pip install 'epifuse[bench]' (matplotlib, tqdm)"

@@ -7,7 +7,9 @@ TF32 on ('fp32-tf32'), bf16 and fp16; our GEMM alone;
 and our row softmax against torch.softmax and the copy bandwidth. Prints a
 table and writes JSON, Markdown and PNG charts to --out.
 
-`--device cpu` is a dry run at tiny sizes (CPU timings) that tests the plumbing.
+`--device cpu` is a dry run at tiny sizes (CPU timings) that tests the plumbing;
+without a GPU the default device falls back to it, with a note. Problems, dtypes
+and precisions are spelled as for ``python -m epifuse`` (see ``epifuse.cli``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .. import cli
 from . import chart, env as envinfo, report
 from .configs import DRY_SWEEP_M, DTYPES, MODES, SWEEP_M, build_plan
 from .kernels import copy_bandwidth, softmax_point
@@ -29,6 +32,9 @@ from .persist import Previous, case_key, save, softmax_from_dict, softmax_key
 from .progress import Progress
 from .runner import CaseResult, KBReference, describe, free_memory, run_case
 from .timing import TimingSettings
+
+
+AUTO = "auto"  # --device default: cuda when there is one, else the CPU dry run
 
 
 def _csv(kind: str, choices, convert=str):
@@ -58,11 +64,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                     "(KernelBench problems 84 and 39), our GEMM alone, and our softmax.",
         epilog="Output: a table on stdout; bench.json, bench.md, bench.txt and PNG charts in "
                "--out. Failures of single configurations are reported in the table.")
-    p.add_argument("--problems", type=_csv("problem", (84, 39), int), default=[84, 39],
-                   help="comma list of KernelBench problems (default 84,39)")
-    p.add_argument("--dtypes", type=_csv("dtype", tuple(DTYPES)), default=list(DTYPES),
-                   help="comma list of " + ",".join(DTYPES) + " (default all)")
-    p.add_argument("--modes", type=_csv("mode", MODES), default=list(MODES),
+    cli.add_selection_arguments(p, default_dtypes="all",
+                                default_precisions="all three: " + ",".join(cli.PRECISION_ORDER))
+    p.add_argument("--modes", "--mode", type=_csv("mode", MODES), default=list(MODES),
                    help="comma list of train,eval (default both)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="do not time torch.compile(Model)")
@@ -87,8 +91,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--markdown", default=None, metavar="PATH",
                    help="also write the Markdown report to PATH (e.g. BENCHMARKS.md); its charts "
                         "are copied to PATH's folder as <name>-charts/")
-    p.add_argument("--device", default="cuda",
-                   help="cuda (default), cuda:N, or cpu for a dry run at tiny sizes")
+    p.add_argument("--device", default=AUTO,
+                   help="cuda, cuda:N, or cpu for a dry run at tiny sizes (default: cuda, or cpu "
+                        "with a note when there is no GPU)")
     p.add_argument("--resume", action="store_true",
                    help="reuse the results already in --out/bench.json (same GPU and torch): "
                         "configurations there are not measured again, and those outside this "
@@ -106,10 +111,22 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         args.max_seconds = 0.5 if args.quick else 2.0
     if args.iters < 1 or args.warmup < 0 or args.max_seconds <= 0:
         p.error("--iters must be >= 1, --warmup >= 0, --max-seconds > 0")
+    sel = cli.selection(args, default_dtypes=cli.DTYPE_ORDER,
+                        default_fp32_precisions=cli.PRECISION_ORDER)
+    args.problems = list(sel.problems)
+    args.dtypes = [c.name for c in sel.columns]  # fp32-<precision>, bf16, fp16: DTYPES' keys
     return args
 
 
 def resolve_device(name: str) -> torch.device:
+    if name == AUTO:
+        if torch.cuda.is_available():
+            name = "cuda"
+        else:
+            # Like `python -m epifuse`: a machine without a GPU still runs (the CPU dry run).
+            print("epifuse.bench: no CUDA device: running the CPU dry run (--device cpu) at tiny "
+                  "sizes instead.", flush=True)
+            name = "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():

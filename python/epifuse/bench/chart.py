@@ -6,7 +6,8 @@ import os
 from collections import Counter, OrderedDict
 from typing import Callable, Sequence
 
-from .configs import PROBLEM_NAMES
+from . import EXTRA_HINT
+from .configs import DTYPES, PROBLEM_NAMES
 from .report import split_sweep
 
 IMPL_COLORS = OrderedDict([("ours", "#1f77b4"), ("eager", "#ff7f0e"), ("compile", "#2ca02c")])
@@ -33,7 +34,7 @@ def draw(out_dir: str, env: dict, results, softmax, copy,
     """Write the charts into ``out_dir``; returns their paths ([] without matplotlib)."""
     plt = _pyplot()
     if plt is None:
-        log("matplotlib is not installed: no chart drawn (pip install matplotlib)")
+        log(f"matplotlib is not installed, so no chart was drawn; {EXTRA_HINT}")
         return []
     paths = []
     main, sweep = split_sweep(results)
@@ -56,24 +57,30 @@ def _title(env: dict, what: str) -> str:
     return f"{what} -- {env.get('gpu')}, torch {env.get('torch')}, CUDA {env.get('cuda')}"
 
 
+def impls_drawn(results) -> list[str]:
+    """ours and eager always; compile only where it was timed (not under --no-compile)."""
+    return [i for i in IMPL_COLORS if i != "compile" or any(r.case.compile for r in results)]
+
+
 def _bars(plt, env, results, copy):
-    """Grouped bars: one panel per problem shape, bars ours/eager/compile per dtype x mode."""
+    """Grouped bars: one panel per problem shape, bars per implementation for each dtype x mode."""
     groups: "OrderedDict[tuple, list]" = OrderedDict()
     for r in results:
         if not r.case.skip:
             groups.setdefault((r.case.shape.problem, str(r.case.shape)), []).append(r)
+    impls = impls_drawn(results)
     n = len(groups)
     fig, axes = plt.subplots(n, 1, figsize=(max(8, 1.3 * max(len(g) for g in groups.values())),
                                             3.6 * n), squeeze=False)
-    width = 0.27
+    width = 0.8 / len(impls)
     for ax, ((problem, shape), rs) in zip(axes[:, 0], groups.items()):
         labels = [f"{r.case.spec.name}\n{r.case.mode}" for r in rs]
         allv = []
-        for j, (impl, color) in enumerate(IMPL_COLORS.items()):
-            xs = [i + (j - 1) * width for i in range(len(rs))]
+        for j, impl in enumerate(impls):
+            xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(rs))]
             vals = [r.ms(impl) or 0.0 for r in rs]
             allv += vals
-            ax.bar(xs, vals, width, label=impl, color=color)
+            ax.bar(xs, vals, width, label=impl, color=IMPL_COLORS[impl])
             for x, r in zip(xs, rs):
                 if r.ms(impl) is None:
                     ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
@@ -90,30 +97,42 @@ def _bars(plt, env, results, copy):
 
 
 def _sweep(plt, env, results, copy):
-    """Time vs M (log-log), one panel per mode, one colour per impl, one marker per dtype."""
-    modes = list(OrderedDict.fromkeys(r.case.mode for r in results))
-    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.5), squeeze=False)
-    markers = ["o", "s", "^", "D", "v"]
-    for ax, mode in zip(axes[0], modes):
-        rs = [r for r in results if r.case.mode == mode and not r.case.skip]
-        dtypes = list(OrderedDict.fromkeys(r.case.spec.name for r in rs))
-        for impl, color in IMPL_COLORS.items():
-            for d, marker in zip(dtypes, markers):
-                pts = sorted((r.case.shape.m, r.ms(impl)) for r in rs
-                             if r.case.spec.name == d and r.ms(impl))
+    """Small multiples of time vs M (log-log): a row per mode, a column per dtype/precision.
+
+    Each panel holds only the implementations of one dtype (2-3 lines), so ours vs eager can
+    be read at every M; one legend serves all panels (same colours throughout).
+    """
+    rs_all = [r for r in results if not r.case.skip]
+    modes = list(OrderedDict.fromkeys(r.case.mode for r in rs_all))
+    order = list(DTYPES)  # fp32-ieee, fp32-3xtf32, fp32-tf32, bf16, fp16: the tables' order
+    dtypes = sorted({r.case.spec.name for r in rs_all}, key=order.index)
+    impls = impls_drawn(rs_all)
+    fig, axes = plt.subplots(len(modes), len(dtypes), figsize=(3.4 * len(dtypes), 2.9 * len(modes)),
+                             squeeze=False, sharex=True)
+    for row, mode in enumerate(modes):
+        for col, d in enumerate(dtypes):
+            ax = axes[row, col]
+            rs = [r for r in rs_all if r.case.mode == mode and r.case.spec.name == d]
+            for impl in impls:
+                pts = sorted((r.case.shape.m, r.ms(impl)) for r in rs if r.ms(impl))
                 if pts:
-                    ax.plot(*zip(*pts), marker=marker, color=color, label=f"{impl} {d}",
-                            linestyle="-" if impl == "ours" else "--")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("M (batch)")
-        ax.set_ylabel("ms per forward")
-        k_n = f"{rs[0].case.shape.k}->{rs[0].case.shape.n}" if rs else ""
-        ax.set_title(f"problem 84, {k_n}, {mode}", fontsize=10)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, ncol=2)
-    fig.suptitle(_title(env, "M sweep"), fontsize=10)
-    fig.tight_layout()
+                    ax.plot(*zip(*pts), marker="o", markersize=3, color=IMPL_COLORS[impl],
+                            label=impl, linestyle="-" if impl == "ours" else "--")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_title(f"{d}, {mode}", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            ax.tick_params(labelsize=7)
+            if row == len(modes) - 1:
+                ax.set_xlabel("M (batch)", fontsize=8)
+            if col == 0:
+                ax.set_ylabel("ms per forward", fontsize=8)
+    handles = [plt.Line2D([], [], color=IMPL_COLORS[i], marker="o", markersize=3,
+                          linestyle="-" if i == "ours" else "--", label=i) for i in impls]
+    fig.legend(handles=handles, loc="upper right", fontsize=8, ncol=len(impls))
+    k_n = f"{rs_all[0].case.shape.k}->{rs_all[0].case.shape.n}" if rs_all else ""
+    fig.suptitle(_title(env, f"M sweep, problem 84, {k_n}"), fontsize=10, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     return fig
 
 

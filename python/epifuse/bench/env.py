@@ -64,6 +64,11 @@ def collect(device: torch.device) -> dict:
         info["gpu"] = f"none (CPU dry run: {platform.processor() or platform.machine()})"
     try:
         import epifuse
+        from epifuse._library import build_info
+
+        info["epifuse_version"] = epifuse.__version__
+        build = build_info()  # the library's own record: its commit may predate git_commit's
+        info["epifuse_build"] = build.summary() if build else None
         info["epifuse_cuda_kernels"] = epifuse.ops.has_cuda_kernels()
         info["epifuse_path"] = os.path.dirname(epifuse.__file__)
     except Exception as e:  # the bench imports epifuse already; this only describes it

@@ -32,8 +32,13 @@ def _num(v):
     return float(v) if isinstance(v, str) else v  # "inf"/"nan" were written as strings
 
 
+# Implementations renamed since a bench.json was written: old name -> new name.
+_RENAMED = {"cublas": "torch_mm"}
+
+
 def _timings(d: dict) -> dict[str, Timing]:
-    return {k: Timing(**{f: _num(x) for f, x in v.items()}) for k, v in (d or {}).items()}
+    return {_RENAMED.get(k, k): Timing(**{f: _num(x) for f, x in v.items()})
+            for k, v in (d or {}).items()}
 
 
 def _errors(d: dict) -> dict[str, ErrorStats]:
@@ -51,8 +56,9 @@ def case_from_dict(d: dict) -> CaseResult:
     case = Case(shape, DTYPES[d["dtype"]], d["mode"], compile=d["compile_timed"],
                 gemm_alone=d["gemm_alone"], skip=d.get("skipped"),
                 compile_note=d.get("compile_note"))
+    failures = {_RENAMED.get(k, k): v for k, v in (d.get("failures") or {}).items()}
     return CaseResult(case, path=d.get("path"), timings=_timings(d.get("timings_ms")),
-                      failures=dict(d.get("failures") or {}),
+                      failures=failures,
                       accuracy=_errors(d.get("errors_vs_fp64")),
                       kb_reference_ms=d.get("kb_reference_ms"), gemm_op=d.get("gemm_op"),
                       wall_s=d.get("wall_s") or 0.0)

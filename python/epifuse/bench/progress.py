@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+from . import EXTRA_HINT
+
 
 class Progress:
     def __init__(self, total: int, desc: str = "bench", enabled: bool = True):
@@ -15,7 +17,8 @@ class Progress:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
-                pass
+                print(f"epifuse.bench: tqdm is not installed: plain progress lines; {EXTRA_HINT}",
+                      file=sys.stderr, flush=True)
             else:
                 self._bar = tqdm(total=total, desc=desc, unit="cfg", dynamic_ncols=True,
                                  file=sys.stderr)

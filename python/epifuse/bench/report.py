@@ -12,6 +12,23 @@ from .configs import PROBLEM_NAMES, SWEEP_PROBLEM
 from .kernels import CopyResult, SoftmaxResult
 from .runner import CaseResult
 
+# --------------------------------------------------------------------------- the device's words
+
+
+def on_cuda(env: dict) -> bool:
+    """Whether the run measured a GPU (else a CPU dry run: no CUDA events, no cuBLAS)."""
+    return str(env.get("device") or "").startswith("cuda")
+
+
+def timer_name(env: dict) -> str:
+    return "CUDA-event" if on_cuda(env) else "time.perf_counter"
+
+
+def mm_label(env: dict) -> str:
+    """The baseline GEMM, torch.mm: cuBLAS on CUDA, the CPU BLAS in a dry run."""
+    return "cuBLAS mm" if on_cuda(env) else "torch.mm (CPU)"
+
+
 # --------------------------------------------------------------------------- formatting
 
 
@@ -155,13 +172,14 @@ def gemm_rows(results: Sequence[CaseResult], notes: Notes) -> list[list[str]]:
         e2e_over = r.ms("ours") / r.ms("gemm") if r.ms("ours") and r.ms("gemm") else None
         rows.append([str(c.shape), c.spec.name, c.mode, r.gemm_op or "-",
                      _time_cell(r, "gemm", notes), fmt_rate(r.tflops("gemm")),
-                     _time_cell(r, "cublas", notes), fmt_rate(r.tflops("cublas")),
+                     _time_cell(r, "torch_mm", notes), fmt_rate(r.tflops("torch_mm")),
                      _time_cell(r, "ours", notes), fmt_num(e2e_over, 2)])
     return rows
 
 
-GEMM_HEADERS = ["M x K -> N", "dtype", "mode", "our GEMM op", "GEMM ms", "TFLOP/s",
-                "cuBLAS mm ms", "TFLOP/s", "end-to-end ms", "end-to-end / GEMM"]
+def gemm_headers(env: dict) -> list[str]:
+    return ["M x K -> N", "dtype", "mode", "our GEMM op", "GEMM ms", "TFLOP/s",
+            f"{mm_label(env)} ms", "TFLOP/s", "end-to-end ms", "end-to-end / GEMM"]
 
 SOFTMAX_HEADERS = ["dtype", "N", "M", "ours ms", "ours GB/s", "of copy", "torch ms",
                    "torch GB/s", "of copy", "vs torch", "max err ours", "max err torch"]
@@ -202,7 +220,8 @@ def split_sweep(results: Sequence[CaseResult]) -> tuple[list[CaseResult], list[C
     return main, sweep
 
 
-def build_tables(results, softmax, copy: Optional[CopyResult]) -> tuple[list[Table], Notes]:
+def build_tables(env: dict, results, softmax,
+                 copy: Optional[CopyResult]) -> tuple[list[Table], Notes]:
     notes = Notes()
     main, sweep = split_sweep(results)
     tables = []
@@ -214,7 +233,7 @@ def build_tables(results, softmax, copy: Optional[CopyResult]) -> tuple[list[Tab
                             model_rows(sweep, notes), left=5))
     g = gemm_rows(results, notes)
     if g:
-        tables.append(Table("Our GEMM alone (KernelBench shapes)", GEMM_HEADERS, g,
+        tables.append(Table("Our GEMM alone (KernelBench shapes)", gemm_headers(env), g,
                             left=4))
     if softmax:
         title = "Row softmax: epifuse affine_softmax vs torch.softmax"
@@ -235,7 +254,7 @@ def copy_line(copy: CopyResult) -> str:
 
 
 def text_report(env: dict, results, softmax, copy) -> str:
-    tables, notes = build_tables(results, softmax, copy)
+    tables, notes = build_tables(env, results, softmax, copy)
     head = (f"epifuse benchmark -- {env.get('gpu')} | torch {env.get('torch')} | "
             f"CUDA {env.get('cuda')} | {env.get('date')}")
     parts = [head, ""]
@@ -243,20 +262,25 @@ def text_report(env: dict, results, softmax, copy) -> str:
         parts += [t.text(), ""]
     if notes.items:
         parts += ["Notes:", *notes.lines(), ""]
-    parts.append(LEGEND)
+    parts.append(legend(env, results))
     return "\n".join(parts)
 
 
-LEGEND = ("ours = ModelNew (epifuse); eager = reference Model; compile = torch.compile(Model), "
-          "default mode. Times: median of CUDA-event timings after warm-up, inputs rotated. "
-          "TFLOP/s = 2*M*N*K / time. 'vs KB ref' = eager fp32 with TF32 off (the KernelBench "
-          "reference) / ours. err = ||out - ref64|| / ||ref64|| and max |out - ref64| "
-          "against a float64 forward of the same (rounded) parameters and input.")
+def legend(env: dict, results: Sequence[CaseResult]) -> str:
+    """The footer; names only what this run measured (a CPU dry run has no CUDA events)."""
+    compiled = any(r.case.compile for r in results)
+    impls = "ours = ModelNew (epifuse); eager = reference Model"
+    impls += ("; compile = torch.compile(Model), default mode" if compiled
+              else "; torch.compile not timed (--no-compile)")
+    return (f"{impls}. Times: median of {timer_name(env)} timings after warm-up, inputs "
+            "rotated. TFLOP/s = 2*M*N*K / time. 'vs KB ref' = eager fp32 with TF32 off (the "
+            "KernelBench reference) / ours. err = ||out - ref64|| / ||ref64|| and max "
+            "|out - ref64| against a float64 forward of the same (rounded) parameters and input.")
 
 
 def markdown_report(env: dict, settings: dict, results, softmax, copy,
                     charts: Sequence[str] = (), md_path: Optional[str] = None) -> str:
-    tables, notes = build_tables(results, softmax, copy)
+    tables, notes = build_tables(env, results, softmax, copy)
     lines = ["# epifuse benchmark", ""]
     lines += [
         f"- GPU: **{env.get('gpu')}**"
@@ -278,8 +302,9 @@ def markdown_report(env: dict, settings: dict, results, softmax, copy,
     lines += [
         "Method: forward passes under `torch.no_grad()`; each time is the median of "
         f"{settings.get('iters')} (or fewer for slow calls, at least {settings.get('min_iters')}) "
-        f"CUDA-event timings after {settings.get('warmup')} warm-up calls, cycling several distinct "
-        "inputs so that the activations do not stay in L2. fp32 rows: `fp32-ieee` = TF32 off "
+        f"{timer_name(env)} timings after {settings.get('warmup')} warm-up calls, cycling several "
+        "distinct inputs so that the activations do not stay in L2. fp32 rows: `fp32-ieee` = TF32 "
+        "off "
         "(`torch.set_float32_matmul_precision('highest')`, `ModelNew(precision='ieee')`), "
         "`fp32-3xtf32` = ours in 3xTF32 (`precision='3xtf32'`) against PyTorch in IEEE fp32, "
         "`fp32-tf32` = TF32 on for both (`'high'` / `precision='tf32'`). All implementations "
@@ -292,7 +317,7 @@ def markdown_report(env: dict, settings: dict, results, softmax, copy,
         lines += [f"## {t.title}", "", t.markdown(), ""]
     if notes.items:
         lines += ["Notes:", ""] + [f"{n}  " for n in notes.lines()] + [""]
-    lines += [LEGEND, ""]
+    lines += [legend(env, results), ""]
     for chart in charts:
         target = chart
         if md_path:

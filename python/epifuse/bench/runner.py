@@ -6,7 +6,7 @@ Implementations of a configuration:
   compile  torch.compile(Model), default mode             (compile errors are reported, not raised)
 On the problem-84 KernelBench shape also:
   gemm     our GEMM op alone (gemm_colstats in train, gemm_affine in eval)
-  cublas   torch.mm(x, W.T) under the same matmul policy
+  torch_mm torch.mm(x, W.T) under the same matmul policy (cuBLAS on CUDA)
 Everything runs forward-only under torch.no_grad().
 """
 
@@ -217,7 +217,7 @@ def _time_gemm(case: Case, state: dict, inputs: list, device: torch.device,
         return timed
 
     _attempt(result, "gemm", run(op), device, log, verbose)
-    _attempt(result, "cublas", run(lambda x: torch.mm(x, weight.t())), device, log, verbose)
+    _attempt(result, "torch_mm", run(lambda x: torch.mm(x, weight.t())), device, log, verbose)
 
 
 def run_case(case: Case, state: dict, device: torch.device, settings: TimingSettings,

@@ -1,0 +1,161 @@
+"""The command-line vocabulary of ``python -m epifuse`` and ``python -m epifuse.bench``.
+
+One spelling table for both, so a selection typed for one works for the other:
+
+* problems  ``--problem`` / ``--problems``: 84, 39, their names, or ``all``;
+* dtypes    ``--dtype`` / ``--dtypes``: fp32 | float32 | float, bf16 | bfloat16,
+            fp16 | float16 | half, ``all``, or ``fp32-<precision>`` (one fp32 column);
+* precisions ``--precision`` / ``--precisions``: the names of ``epifuse.precision.ALIASES``
+            (ours: ieee, 3xtf32, tf32; torch's: highest, high, medium).
+
+Every list option takes space- and/or comma-separated values (``--dtypes fp32,bf16``
+equals ``--dtype fp32 bf16``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from . import precision as _precision
+from .problems import BY_NUMBER
+
+DTYPE_ALIASES: Mapping[str, str] = MappingProxyType({
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+})
+TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
+DTYPE_ORDER = ("fp32", "bf16", "fp16")
+PRECISION_ORDER = (_precision.IEEE, _precision.TF32X3, _precision.TF32)
+ALL = "all"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One dtype to run: 16-bit, or fp32 with a precision (None: follow torch's setting)."""
+
+    dtype: str  # "fp32" | "bf16" | "fp16"
+    precision: Optional[str] = None  # canonical; only for fp32
+
+    @property
+    def name(self) -> str:
+        """``fp32-tf32``, ``fp32`` (precision left to torch), ``bf16``: the bench's column names."""
+        return f"{self.dtype}-{self.precision}" if self.precision else self.dtype
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TORCH_DTYPES[self.dtype]
+
+
+def problem_names() -> dict[int, str]:
+    return {n: m.__name__.rsplit(".", 1)[-1] for n, m in BY_NUMBER.items()}
+
+
+def parse_problem(token: str) -> list[int]:
+    if token == ALL:
+        return list(BY_NUMBER)
+    by_name = {name: n for n, name in problem_names().items()}
+    if token in by_name:
+        return [by_name[token]]
+    if token.isdigit() and int(token) in BY_NUMBER:
+        return [int(token)]
+    raise ValueError(f"unknown problem {token!r}; choose from "
+                     f"{', '.join(map(str, BY_NUMBER))}, {', '.join(by_name)} or {ALL}")
+
+
+def parse_precision(token: str) -> str:
+    canonical = _precision.ALIASES.get(token)
+    if canonical is None:
+        raise ValueError(f"unknown precision {token!r}; choose from "
+                         f"{', '.join(_precision.ALIASES)}")
+    return canonical
+
+
+def parse_dtype(token: str) -> list[tuple[str, Optional[str]]]:
+    """``bf16`` -> [("bf16", None)]; ``float32-high`` -> [("fp32", "tf32")]; ``all`` -> 3."""
+    if token == ALL:
+        return [(d, None) for d in DTYPE_ORDER]
+    name, sep, prec = token.partition("-")
+    dtype = DTYPE_ALIASES.get(name)
+    if dtype is None:
+        raise ValueError(f"unknown dtype {token!r}; choose from {', '.join(DTYPE_ALIASES)}, "
+                         f"{ALL}, or fp32-<precision> (e.g. fp32-tf32)")
+    if not sep:
+        return [(dtype, None)]
+    if dtype != "fp32":
+        raise ValueError(f"dtype {token!r}: a precision applies to fp32 only")
+    return [(dtype, parse_precision(prec))]
+
+
+def _items(parse: Callable[[str], list]) -> Callable[[str], list]:
+    """An argparse ``type``: one command-line word, comma-separated, parsed item by item."""
+    def convert(word: str) -> list:
+        tokens = [t.strip() for t in word.split(",") if t.strip()]
+        if not tokens:
+            raise argparse.ArgumentTypeError("empty value")
+        out = []
+        for t in tokens:
+            try:
+                out += parse(t)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        return out
+    convert.__name__ = parse.__name__.removeprefix("parse_")  # argparse names it in errors
+    return convert
+
+
+def _flat(groups: Optional[Iterable[list]]) -> list:
+    out: list = []
+    for group in groups or ():
+        for item in group:
+            if item not in out:
+                out.append(item)
+    return out
+
+
+def add_selection_arguments(parser: argparse.ArgumentParser, *, default_dtypes: str,
+                            default_precisions: str) -> None:
+    """--problem(s), --dtype(s), --precision(s); read them back with ``selection``."""
+    parser.add_argument(
+        "--problem", "--problems", dest="problems", nargs="+", type=_items(parse_problem),
+        metavar="P", help="KernelBench problems: 84, 39, gemm_bn_scale_softmax, gemm_scale_bn "
+                          "or all (space or comma separated; default all)")
+    parser.add_argument(
+        "--dtype", "--dtypes", dest="dtypes", nargs="+", type=_items(parse_dtype), metavar="D",
+        help="fp32|float32, bf16|bfloat16, fp16|float16|half, all, or fp32-<precision> "
+             f"(e.g. fp32-tf32) (default {default_dtypes})")
+    parser.add_argument(
+        "--precision", "--precisions", dest="precisions", nargs="+",
+        type=_items(lambda t: [parse_precision(t)]), metavar="P",
+        help="fp32 GEMM precision for plain fp32: " + ", ".join(_precision.ALIASES)
+             + f" (torch's names accepted; default {default_precisions})")
+
+
+@dataclass(frozen=True)
+class Selection:
+    problems: tuple[int, ...]
+    columns: tuple[Column, ...]
+
+
+def selection(args: argparse.Namespace, *, default_dtypes: Sequence[str],
+              default_fp32_precisions: Sequence[Optional[str]]) -> Selection:
+    """What to run: the problems, and the dtype columns (plain fp32 x the precisions)."""
+    problems = _flat(args.problems) or list(BY_NUMBER)
+    pairs = _flat(args.dtypes) or [(d, None) for d in default_dtypes]
+    precisions = _flat(args.precisions) or list(default_fp32_precisions)
+    columns: list[Column] = []
+    for dtype, prec in pairs:
+        if dtype != "fp32":
+            candidates = [Column(dtype)]
+        elif prec is not None:
+            candidates = [Column(dtype, prec)]
+        else:
+            candidates = [Column(dtype, p) for p in precisions]
+        columns += [c for c in candidates if c not in columns]
+    return Selection(tuple(problems), tuple(columns))

@@ -1,0 +1,106 @@
+"""One vocabulary for `python -m epifuse` and `python -m epifuse.bench` (epifuse.cli), CPU only.
+
+The same words select the same problems, dtypes and precisions in both command lines, and
+every precision name of epifuse.precision.ALIASES (ours and torch's) is accepted by both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epifuse import __main__ as main_cli
+from epifuse import cli
+from epifuse.bench import __main__ as bench_cli
+from epifuse.bench.configs import DTYPES
+from epifuse.precision import ALIASES
+
+
+def _main(*argv):
+    return main_cli.parse_args(list(argv)).selection
+
+
+def _bench(*argv):
+    args = bench_cli.parse_args(list(argv))
+    return args.problems, args.dtypes
+
+
+@pytest.mark.parametrize("spellings", [
+    [("--dtype", "bf16"), ("--dtypes", "bfloat16"), ("--dtype", "bf16,bfloat16")],
+    [("--dtype", "fp16"), ("--dtype", "float16"), ("--dtypes", "half")],
+    [("--dtype", "fp32", "--precision", "tf32"), ("--dtype", "float32", "--precision", "high"),
+     ("--dtype", "fp32-tf32"), ("--dtypes", "float-medium")],
+    [("--dtype", "fp32", "--precision", "ieee"), ("--dtype", "fp32", "--precisions", "highest"),
+     ("--dtype", "float32-highest")],
+    [("--dtype", "all"), ("--dtypes", "fp32", "bf16", "fp16"), ("--dtypes", "fp32,bf16,fp16")],
+    [("--problem", "84"), ("--problems", "84"), ("--problem", "gemm_bn_scale_softmax")],
+    [(), ("--problem", "all"), ("--problems", "84,39"), ("--problem", "84", "39")],
+], ids=["bf16", "fp16", "tf32", "ieee", "all-dtypes", "problem-84", "all-problems"])
+def test_spellings_select_the_same_runs_in_both_clis(spellings):
+    mains = [_main(*s) for s in spellings]
+    benches = [_bench(*s) for s in spellings]
+    assert all(m == mains[0] for m in mains), mains
+    assert all(b == benches[0] for b in benches), benches
+    # ... and the two command lines agree with each other (their defaults differ: see below).
+    main, (problems, dtypes) = mains[0], benches[0]
+    assert list(main.problems) == problems
+    if any(word.startswith("--dtype") for word in spellings[0]):
+        assert {c.torch_dtype for c in main.columns} == {DTYPES[d].dtype for d in dtypes}
+        if all(c.precision for c in main.columns if c.dtype == "fp32"):
+            assert {c.name for c in main.columns} == set(dtypes)  # bench columns are Column names
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_every_precision_alias_is_accepted_by_both(alias):
+    (column,) = _main("--dtype", "fp32", "--precision", alias).columns
+    assert column == cli.Column("fp32", ALIASES[alias])
+    assert _bench("--dtype", "fp32", "--precision", alias)[1] == [f"fp32-{ALIASES[alias]}"]
+    assert _bench("--dtype", f"float32-{alias}")[1] == [f"fp32-{ALIASES[alias]}"]
+
+
+def test_defaults():
+    # The main job follows torch's fp32 setting, as ModelNew(precision=None) does ...
+    assert _main() == cli.Selection((84, 39), (cli.Column("fp32", None),))
+    # ... the benchmark measures every column it knows.
+    assert _bench() == ([84, 39], list(DTYPES))
+
+
+def test_bench_columns_are_the_bench_configs():
+    _, dtypes = _bench("--dtype", "all")
+    assert set(dtypes) == set(DTYPES)
+    for column in cli.selection(main_cli.parse_args(["--dtype", "all", "--precision", "ieee",
+                                                     "3xtf32", "tf32"]),
+                                default_dtypes=["fp32"], default_fp32_precisions=[None]).columns:
+        assert DTYPES[column.name].dtype == column.torch_dtype
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dtype", "double"], "unknown dtype 'double'"),
+    (["--dtype", "bf16-tf32"], "a precision applies to fp32 only"),
+    (["--precision", "fp32"], "unknown precision 'fp32'"),
+    (["--problems", "84,12"], "unknown problem '12'"),
+    (["--problem", ","], "empty value"),
+])
+@pytest.mark.parametrize("parse", [main_cli.parse_args, bench_cli.parse_args],
+                         ids=["epifuse", "epifuse.bench"])
+def test_bad_words_are_usage_errors(parse, argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_falls_back_to_cpu_without_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_cli.resolve_device(bench_cli.AUTO) == torch.device("cpu")
+    assert "CPU dry run" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        bench_cli.resolve_device("cuda")  # asked for by name: an error, not a silent CPU run
+
+
+def test_main_version(capsys):
+    import epifuse
+
+    with pytest.raises(SystemExit):
+        main_cli.parse_args(["--version"])
+    assert capsys.readouterr().out.strip() == f"epifuse {epifuse.__version__}"

@@ -73,7 +73,7 @@ def op_calls(monkeypatch):
 
     calls: list[str] = []
     for name in ("gemm_affine", "gemm_colstats", "bn_fold_train", "bn_fold_eval",
-                 "affine_softmax", "affine_softmax_", "affine_"):
+                 "affine_softmax", "affine_softmax_", "affine_", "affine"):
         real = getattr(ops, name)
 
         def wrapper(*args, _real=real, _name=name):

@@ -30,12 +30,13 @@ def _bench(*argv):
     [("--dtype", "fp16"), ("--dtype", "float16"), ("--dtypes", "half")],
     [("--dtype", "fp32", "--precision", "tf32"), ("--dtype", "float32", "--precision", "high"),
      ("--dtype", "fp32-tf32"), ("--dtypes", "float-medium")],
-    [("--dtype", "fp32", "--precision", "ieee"), ("--dtype", "fp32", "--precisions", "highest"),
+    [("--dtype", "fp32", "--precision", "ieee"), ("--dtype", "float32-ieee")],
+    [("--dtype", "fp32", "--precision", "3xtf32"), ("--dtype", "fp32", "--precisions", "highest"),
      ("--dtype", "float32-highest")],
     [("--dtype", "all"), ("--dtypes", "fp32", "bf16", "fp16"), ("--dtypes", "fp32,bf16,fp16")],
     [("--problem", "84"), ("--problems", "84"), ("--problem", "gemm_bn_scale_softmax")],
     [(), ("--problem", "all"), ("--problems", "84,39"), ("--problem", "84", "39")],
-], ids=["bf16", "fp16", "tf32", "ieee", "all-dtypes", "problem-84", "all-problems"])
+], ids=["bf16", "fp16", "tf32", "ieee", "3xtf32", "all-dtypes", "problem-84", "all-problems"])
 def test_spellings_select_the_same_runs_in_both_clis(spellings):
     mains = [_main(*s) for s in spellings]
     benches = [_bench(*s) for s in spellings]

@@ -60,6 +60,20 @@ def check_gemm(x: Tensor, weight: Tensor, precision: str, op: str) -> None:
     check_precision(precision, x.dtype, op)
 
 
+def check_matmul(a: Tensor, b: Tensor, precision: str, op: str) -> None:
+    """``a @ b`` (backward_matmul): the checks of its CUDA kernel, in its order."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise RuntimeError(f"epifuse::{op}: expected 2-D a and b, got {a.dim()}-D and {b.dim()}-D")
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got "
+                           f"{type_name(a.dtype)} and {type_name(b.dtype)}")
+    if a.shape[1] != b.shape[0]:
+        raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({a.shape[0]}x{a.shape[1]} "
+                           f"and {b.shape[0]}x{b.shape[1]})")
+    check_kernel_dtype(a, op)
+    check_precision(precision, a.dtype, op)
+
+
 def check_column_vector(v: Tensor, n: int, op: str, name: str) -> None:
     if v.dtype != torch.float32:
         raise RuntimeError(f"epifuse::{op}: expected {name} to be float32, got "

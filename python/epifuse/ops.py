@@ -325,10 +325,7 @@ def _head_grad_z_cpu(grad, out, rowdot, z, coef):
 
 @torch.library.register_kernel("epifuse::backward_matmul", "cpu")
 def _backward_matmul_cpu(a, b, precision):
-    _check_precision(precision)
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise RuntimeError(f"epifuse: expected a [M, K] and b [K, N], got {tuple(a.shape)} and "
-                           f"{tuple(b.shape)}")
+    _checks.check_matmul(a, b, precision, "backward_matmul")
     return (a.to(_F64) @ b.to(_F64)).to(a.dtype)
 
 

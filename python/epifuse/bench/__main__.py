@@ -1,10 +1,11 @@
 """``python -m epifuse.bench``: benchmark ModelNew against PyTorch eager and torch.compile.
 
 Runs problems 84 (gemm_bn_scale_softmax) and 39 (gemm_scale_bn) at their
-KernelBench sizes (and 84 at the original small size), train and eval, fp32
+KernelBench sizes (and 84 at the original small size), train and eval forwards and
+training steps (forward + backward), fp32
 with TF32 off ('fp32-ieee'), in 3xTF32 against PyTorch's IEEE fp32 ('fp32-3xtf32') and with
-TF32 on ('fp32-tf32'), bf16 and fp16; our GEMM alone;
-and our row softmax against torch.softmax and the copy bandwidth. Prints a
+TF32 on ('fp32-tf32'), bf16 and fp16; our GEMM alone; the host time of a
+small-batch forward; and our row softmax against torch.softmax and the copy bandwidth. Prints a
 table and writes JSON, Markdown and PNG charts to --out.
 
 `--device cpu` is a dry run at tiny sizes (CPU timings) that tests the plumbing;
@@ -26,9 +27,10 @@ import torch
 from .. import cli
 from . import chart, env as envinfo, report
 from .configs import DRY_SWEEP_M, DTYPES, MODES, SWEEP_M, build_plan
+from .hosttime import HostResult, HostSettings, run_host_point
 from .kernels import copy_bandwidth, softmax_point
 from .models import base_state
-from .persist import Previous, case_key, save, softmax_from_dict, softmax_key
+from .persist import Previous, case_key, host_key, save, softmax_from_dict, softmax_key
 from .progress import Progress
 from .runner import CaseResult, KBReference, describe, free_memory, run_case
 from .timing import TimingSettings
@@ -67,7 +69,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     cli.add_selection_arguments(p, default_dtypes="all",
                                 default_precisions="all three: " + ",".join(cli.PRECISION_ORDER))
     p.add_argument("--modes", "--mode", type=_csv("mode", MODES), default=list(MODES),
-                   help="comma list of train,eval (default both)")
+                   help="comma list of train,eval,train-step (default all three): training-"
+                        "mode and eval-mode forwards, and training steps (forward + backward "
+                        "with dX; fixed shapes only, not the --sweep)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="do not time torch.compile(Model)")
     p.add_argument("--sweep", action="store_true",
@@ -77,6 +81,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         + "; dry run " + ",".join(map(str, DRY_SWEEP_M)) + ")")
     p.add_argument("--sweep-compile", action="store_true",
                    help="time torch.compile on the sweep points too (one compilation each)")
+    p.add_argument("--host-time", action=argparse.BooleanOptionalAction, default=True,
+                   help="host (CPU) time per forward of ours and eager at problem 84's small "
+                        "shape, 128x1024->512 (default on; needs problem 84 and a forward mode)")
     p.add_argument("--softmax", action=argparse.BooleanOptionalAction, default=True,
                    help="softmax-alone sweep over row lengths, and the copy bandwidth (default on)")
     p.add_argument("--iters", type=int, default=None,
@@ -158,6 +165,11 @@ def _case_order(r: CaseResult) -> tuple:
             MODES.index(c.mode), list(DTYPES).index(c.spec.name))
 
 
+def _host_order(r: HostResult) -> tuple:
+    return (r.point.shape.problem, r.point.shape.m, MODES.index(r.point.mode),
+            list(DTYPES).index(r.point.spec.name))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -169,7 +181,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(1)  # tiny sizes: threads only add noise (and contention)
     plan = build_plan(args.problems, args.dtypes, args.modes, compile=args.compile,
                       sweep=args.sweep, sweep_ms=tuple(args.sweep_m),
-                      sweep_compile=args.sweep_compile, softmax=args.softmax, dry=dry)
+                      sweep_compile=args.sweep_compile, softmax=args.softmax, dry=dry,
+                      host_time=args.host_time)
     settings = TimingSettings(warmup=args.warmup, iters=args.iters, max_seconds=args.max_seconds)
     env = envinfo.collect(device)
     settings_doc = {"warmup": settings.warmup, "iters": settings.iters,
@@ -177,7 +190,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "dry_run": dry, "problems": args.problems, "dtypes": args.dtypes,
                     "modes": args.modes, "compile": args.compile, "sweep": args.sweep,
                     "sweep_m": args.sweep_m if args.sweep else None,
-                    "softmax": args.softmax}
+                    "softmax": args.softmax, "host_time": args.host_time}
 
     print(f"epifuse.bench: {env['gpu']} | torch {env['torch']} | CUDA {env['cuda']}", flush=True)
     if dry:
@@ -195,14 +208,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         env["commands"] = [c for c in previous.commands if c] + [env["command"]]
 
     n_soft = len(plan.softmax_points)
-    progress = Progress(len(plan.cases) + (1 + n_soft if n_soft else 0), enabled=args.progress)
+    progress = Progress(len(plan.cases) + len(plan.host_points) + (1 + n_soft if n_soft else 0),
+                        enabled=args.progress)
     log = progress.write
     kb = KBReference()
     results: list[CaseResult] = []
+    host: list[HostResult] = []
     softmax, copy = [], None
 
     def checkpoint(complete: bool = False) -> None:
-        save(json_path, env, settings_doc, results, softmax, copy, complete)
+        save(json_path, env, settings_doc, results, softmax, copy, complete, host=host)
 
     state, state_key, state_error = None, None, None
     for case in plan.cases:
@@ -238,6 +253,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     state = None
     free_memory(device)
 
+    host_state, host_state_key, host_error = None, None, "no model"
+    for pt in plan.host_points:
+        progress.start(pt.label)
+        old = previous.host.get(host_key(pt)) if previous else None
+        if old is not None:
+            host.append(old)
+        else:
+            if pt.shape.weights_key != host_state_key:
+                host_state_key, host_state = pt.shape.weights_key, None
+                try:
+                    host_state = base_state(pt.shape, device)
+                except Exception as e:  # noqa: BLE001
+                    host_error = f"model set-up failed: {describe(e)}"
+            if host_state is None:
+                host.append(HostResult(pt, failures={i: host_error for i in ("ours", "eager")}))
+            else:
+                host.append(run_host_point(pt, host_state, device, HostSettings(), log,
+                                           args.verbose))
+            checkpoint()
+        log(f"{pt.label}: {report.host_line(host[-1])}" + (" (reused)" if old else ""))
+        progress.advance()
+    host_state = None
+
     if n_soft:
         progress.start("copy bandwidth")
         copy = previous.copy if previous and previous.copy else None
@@ -265,11 +303,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         softmax += [softmax_from_dict(d, copy.gbps if copy else None)
                     for k, d in previous.softmax.items() if k not in have]
         softmax.sort(key=lambda r: (r.dtype != "fp32", r.dtype, r.n, r.m))
+        have_host = {host_key(r.point) for r in host}
+        host += [r for k, r in previous.host.items() if k not in have_host]
+        host.sort(key=_host_order)
         if copy is None:
             copy = previous.copy
     env["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     checkpoint(complete=True)
-    text = report.text_report(env, results, softmax, copy)
+    text = report.text_report(env, results, softmax, copy, host)
     print()
     print(text)
     written = [json_path]
@@ -281,7 +322,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     written += charts
     md_path = os.path.join(args.out, "bench.md")
     with open(md_path, "w") as f:
-        f.write(report.markdown_report(env, settings_doc, results, softmax, copy, charts, md_path))
+        f.write(report.markdown_report(env, settings_doc, results, softmax, copy, charts, md_path,
+                                       host))
     written.append(md_path)
     if args.markdown:
         md_dir = os.path.dirname(os.path.abspath(args.markdown))
@@ -295,10 +337,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 copied.append(shutil.copy(c, os.path.join(chart_dir, os.path.basename(c))))
         with open(args.markdown, "w") as f:
             f.write(report.markdown_report(env, settings_doc, results, softmax, copy, copied,
-                                           args.markdown))
+                                           args.markdown, host))
         written += [args.markdown, *copied]
     print(f"\nwrote: {', '.join(written)} ({env['elapsed_s']:.0f} s)")
-    measured = any(r.timings for r in results) or any(s.timings for s in softmax)
+    measured = (any(r.timings for r in results) or any(s.timings for s in softmax)
+                or any(h.timings for h in host))
     return 0 if measured or not (results or softmax) else 1
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 from collections import Counter, OrderedDict
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from . import EXTRA_HINT
 from .configs import DTYPES, PROBLEM_NAMES
-from .report import split_sweep
+from .report import split_steps, split_sweep
 
 IMPL_COLORS = OrderedDict([("ours", "#1f77b4"), ("eager", "#ff7f0e"), ("compile", "#2ca02c")])
 
@@ -38,8 +38,9 @@ def draw(out_dir: str, env: dict, results, softmax, copy,
         return []
     paths = []
     main, sweep = split_sweep(results)
-    for name, fn, data in (("bench.png", _bars, main), ("bench-sweep.png", _sweep, sweep),
-                           ("softmax.png", _softmax, softmax)):
+    forwards, steps = split_steps(main)
+    for name, fn, data in (("bench.png", _bars, forwards), ("bench-train-step.png", _step_bars, steps),
+                           ("bench-sweep.png", _sweep, sweep), ("softmax.png", _softmax, softmax)):
         if not data:
             continue
         try:
@@ -62,7 +63,12 @@ def impls_drawn(results) -> list[str]:
     return [i for i in IMPL_COLORS if i != "compile" or any(r.case.compile for r in results)]
 
 
-def _bars(plt, env, results, copy):
+def _step_bars(plt, env, results, copy):
+    """The training steps, drawn like the forwards (their own chart: ms per step)."""
+    return _bars(plt, env, results, copy, unit="step", what="training step (forward + backward)")
+
+
+def _bars(plt, env, results, copy, unit: str = "forward", what: Optional[str] = None):
     """Grouped bars: one panel per problem shape, bars per implementation for each dtype x mode."""
     groups: "OrderedDict[tuple, list]" = OrderedDict()
     for r in results:
@@ -86,12 +92,12 @@ def _bars(plt, env, results, copy):
                     ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
         ax.set_xticks(range(len(rs)))
         ax.set_xticklabels(labels, fontsize=8)
-        ax.set_ylabel("ms per forward")
+        ax.set_ylabel(f"ms per {unit}")
         ax.set_title(f"problem {problem} ({PROBLEM_NAMES[problem]}), {shape}", fontsize=10)
         _log_if_wide(ax, allv)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(_title(env, "epifuse: time per forward (lower is better)"), fontsize=10)
+    fig.suptitle(_title(env, f"epifuse: time per {what or unit} (lower is better)"), fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -54,7 +54,15 @@ DTYPES = {
 # The KernelBench reference: eager PyTorch, fp32, no TF32.
 KB_REFERENCE = "fp32-ieee"
 
-MODES = ("train", "eval")
+# "train"/"eval": one forward in that BatchNorm mode (under torch.no_grad()).
+# "train-step": a training-mode forward plus its backward (dX and the parameter gradients).
+MODES = ("train", "eval", "train-step")
+TRAIN_STEP = "train-step"
+
+
+def is_training(mode: str) -> bool:
+    """Whether ``mode`` runs BatchNorm on batch statistics (model.train())."""
+    return mode in ("train", TRAIN_STEP)
 
 # --------------------------------------------------------------------------- shapes
 
@@ -130,9 +138,23 @@ class Case:
         return f"p{self.shape.problem} {self.shape} {self.spec.name} {self.mode}"
 
 
+@dataclass(frozen=True)
+class HostPoint:
+    """One host-time measurement: a forward of ours and of eager on ``shape``."""
+
+    shape: Shape
+    spec: DTypeSpec
+    mode: str  # a forward mode: "train" | "eval"
+
+    @property
+    def label(self) -> str:
+        return f"host time p{self.shape.problem} {self.shape} {self.spec.name} {self.mode}"
+
+
 @dataclass
 class Plan:
     cases: list[Case] = field(default_factory=list)
+    host_points: list[HostPoint] = field(default_factory=list)
     softmax_points: list[SoftmaxPoint] = field(default_factory=list)
     copy_bytes: int = 0
 
@@ -175,9 +197,36 @@ COPY_BYTES = 1 << 30  # the copy-bandwidth source tensor
 DRY_COPY_BYTES = 8 << 20
 
 
+# Host time is measured on the small shape, where a forward is short enough for the host to
+# matter (KernelBench's 84 at its original size).
+HOST_TIME_SHAPE = (84, "kb-small")
+
+
+def host_points(problems: list[int], dtypes: list[str], modes: list[str],
+                dry: bool) -> list[HostPoint]:
+    """The small shape's forwards, per dtype column and forward mode of the selection."""
+    problem, tag = HOST_TIME_SHAPE
+    if problem not in problems:
+        return []
+    shape = next(s for s in problem_shapes(problem, dry) if s.tag == tag)
+    columns = sorted(dtypes, key=list(DTYPES).index)
+    return [HostPoint(shape, DTYPES[d], mode) for mode in modes if mode != TRAIN_STEP
+            for d in columns]
+
+
 def build_plan(problems: list[int], dtypes: list[str], modes: list[str], *, compile: bool,
                sweep: bool, sweep_ms: tuple[int, ...], sweep_compile: bool, softmax: bool,
-               dry: bool) -> Plan:
+               dry: bool, host_time: bool = True) -> Plan:
+    """What to run, in order.
+
+    The default full-size GPU plan without --sweep and --softmax is 3 shapes x 3 modes x 5
+    dtype columns = 45 cases, each with one accuracy check and 3 timed measurements (ours,
+    eager, compile) plus 2 on the 2 KernelBench shapes' forwards (our GEMM alone, torch.mm):
+    135 + 20 = 155 measurements, each at most --max-seconds (2 s) of timed calls after its
+    warm-up, most far less (a 0.2 ms call stops at --iters 50). Their sum is about a minute;
+    torch.compile's 45 compilations (forward, and forward + backward for a step) dominate
+    the rest. Host time adds 10 points x 2 implementations of a few hundred short calls.
+    """
     plan = Plan()
     # fp32-ieee first for each shape/mode so the KernelBench reference is measured
     # before the columns that are compared with it.
@@ -188,9 +237,11 @@ def build_plan(problems: list[int], dtypes: list[str], modes: list[str], *, comp
         shapes += [s for s in sweep_shapes(sweep_ms, dry) if (s.problem, s.m, s.k, s.n) not in seen]
     for shape in shapes:
         for mode in modes:
+            if mode == TRAIN_STEP and shape.tag == "sweep":
+                continue  # the M sweep is of forwards; steps are timed at the fixed shapes
             for d in ordered:
                 skip = None
-                if mode == "train" and shape.m < 2:
+                if is_training(mode) and shape.m < 2:
                     skip = "BatchNorm training needs a batch of at least 2 rows"
                 is_sweep = shape.tag == "sweep"
                 with_compile = compile and (sweep_compile or not is_sweep)
@@ -201,8 +252,11 @@ def build_plan(problems: list[int], dtypes: list[str], modes: list[str], *, comp
                     note = "not run (sweep point; add --sweep-compile)"
                 plan.cases.append(Case(
                     shape, DTYPES[d], mode, compile=with_compile,
-                    gemm_alone=shape.tag == "kernelbench",
+                    # The GEMM op alone is a forward kernel: not comparable with a backward.
+                    gemm_alone=shape.tag == "kernelbench" and mode != TRAIN_STEP,
                     skip=skip, compile_note=note))
+    if host_time:
+        plan.host_points = host_points(problems, ordered, modes, dry)
     if softmax:
         plan.softmax_points = softmax_points(dry)
         plan.copy_bytes = DRY_COPY_BYTES if dry else COPY_BYTES

@@ -12,7 +12,7 @@ from torch import nn
 
 from epifuse import problems
 
-from .configs import Shape
+from .configs import Shape, is_training
 
 SEED = 0
 _PRIME_ROWS = 256
@@ -81,7 +81,7 @@ def build(shape: Shape, state: dict[str, torch.Tensor], *, new: bool, dtype: tor
     model = model.to_empty(device=device)
     model.load_state_dict(state)
     model.to(dtype)
-    model.train(mode == "train")
+    model.train(is_training(mode))
     return model
 
 

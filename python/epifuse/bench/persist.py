@@ -12,16 +12,18 @@ import os
 from typing import Optional
 
 from .accuracy import ErrorStats
-from .configs import DTYPES, Case, Shape
+from .configs import DTYPES, Case, HostPoint, Shape
+from .hosttime import HostResult, host_from_dict
 from .kernels import CopyResult, SoftmaxResult
 from .report import json_report
 from .runner import CaseResult
 from .timing import Timing
 
 
-def save(path: str, env: dict, settings: dict, results, softmax, copy, complete: bool) -> None:
+def save(path: str, env: dict, settings: dict, results, softmax, copy, complete: bool,
+         host=()) -> None:
     """Write atomically (a kill mid-write leaves the previous file)."""
-    doc = json_report(env, settings, results, softmax, copy, complete=complete)
+    doc = json_report(env, settings, results, softmax, copy, complete=complete, host=host)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write(doc)
@@ -64,6 +66,16 @@ def case_from_dict(d: dict) -> CaseResult:
                       wall_s=d.get("wall_s") or 0.0)
 
 
+def host_key(point: HostPoint) -> tuple:
+    s = point.shape
+    return (s.problem, s.m, s.k, s.n, point.spec.name, point.mode)
+
+
+def host_point_from_dict(d: dict) -> HostPoint:
+    return HostPoint(Shape(d["problem"], d["M"], d["K"], d["N"], d["tag"]), DTYPES[d["dtype"]],
+                     d["mode"])
+
+
 def softmax_key(dtype: str, n: int, m: int) -> tuple:
     return (dtype, n, m)
 
@@ -86,6 +98,7 @@ class Previous:
 
     def __init__(self, path: str, env: dict, log) -> None:
         self.cases: dict[tuple, CaseResult] = {}
+        self.host: dict[tuple, HostResult] = {}  # bench.json files before host time have none
         self.softmax: dict[tuple, dict] = {}
         self.copy: Optional[CopyResult] = None
         self.date: Optional[str] = None
@@ -105,6 +118,9 @@ class Previous:
             for d in doc.get("cases", []):
                 r = case_from_dict(d)
                 self.cases[case_key(r.case)] = r
+            for d in doc.get("host_time", []):
+                r = host_from_dict(d, host_point_from_dict(d))
+                self.host[host_key(r.point)] = r
             for d in doc.get("softmax", []):
                 self.softmax[softmax_key(d["dtype"], d["N"], d["M"])] = d
             self.copy = copy_from_dict(doc.get("copy_bandwidth"))
@@ -112,7 +128,7 @@ class Previous:
             self.commands = list(old_env.get("commands") or [old_env.get("command")])
         except (OSError, ValueError, KeyError, TypeError) as e:
             log(f"--resume: cannot read {path} ({type(e).__name__}: {e}); measuring everything")
-            self.cases, self.softmax, self.copy = {}, {}, None
+            self.cases, self.host, self.softmax, self.copy = {}, {}, {}, None
             return
-        log(f"--resume: reusing {len(self.cases)} configurations and {len(self.softmax)} softmax "
-            f"points from {path} ({self.date})")
+        log(f"--resume: reusing {len(self.cases)} configurations, {len(self.host)} host-time "
+            f"points and {len(self.softmax)} softmax points from {path} ({self.date})")

@@ -8,7 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .configs import PROBLEM_NAMES, SWEEP_PROBLEM
+from .configs import PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
+from .hosttime import HostResult
 from .kernels import CopyResult, SoftmaxResult
 from .runner import CaseResult
 
@@ -163,6 +164,68 @@ def model_rows(results: Sequence[CaseResult], notes: Notes) -> list[list[str]]:
     return rows
 
 
+STEP_HEADERS = ["problem", "M x K -> N", "dtype", "ModelNew path", "ours ms", "TFLOP/s",
+                "eager ms", "compile ms", "vs eager", "vs compile", "vs KB ref",
+                "err dX ours (rel / max)", "err dX eager (rel / max)",
+                "err dW ours (rel / max)", "err dW eager (rel / max)"]
+
+
+def _grad_cell(r: CaseResult, impl: str, grad: str, notes: Notes) -> str:
+    key = f"accuracy:{impl}"
+    if key in r.failures:
+        return "n/a " + notes.ref(f"gradient check of {impl}: {r.failures[key]}")
+    return fmt_err(r.accuracy.get(f"{impl}:{grad}"))
+
+
+def step_rows(results: Sequence[CaseResult], notes: Notes) -> list[list[str]]:
+    """Training-step rows: the forward table's columns, with dX and dW errors for the output's."""
+    rows = []
+    for r in results:
+        c, s = r.case, r.case.shape
+        head = [f"{s.problem} {PROBLEM_NAMES[s.problem]}", str(s), c.spec.name]
+        if c.skip:
+            rows.append(head + ["skipped " + notes.ref(c.skip)] + ["-"] * 11)
+            continue
+        rows.append(head + [
+            _path_cell(r, notes),
+            _time_cell(r, "ours", notes), fmt_rate(r.tflops("ours")),
+            _time_cell(r, "eager", notes), _time_cell(r, "compile", notes),
+            fmt_x(r.speedup("eager")), fmt_x(r.speedup("compile")), fmt_x(r.speedup("kb")),
+            _grad_cell(r, "ours", "dx", notes), _grad_cell(r, "eager", "dx", notes),
+            _grad_cell(r, "ours", "dw", notes), _grad_cell(r, "eager", "dw", notes)])
+    return rows
+
+
+HOST_HEADERS = ["problem", "M x K -> N", "dtype", "mode", "ours us", "eager us", "ours / eager",
+                "GPU kept busy"]
+
+
+def host_rows(results: Sequence[HostResult], notes: Notes) -> list[list[str]]:
+    rows = []
+
+    def t(r: HostResult, impl: str) -> str:
+        if impl in r.timings:
+            return fmt_num(r.us(impl), 1)
+        if impl in r.failures:
+            return "n/a " + notes.ref(f"host time of {impl}: {r.failures[impl]}")
+        return "n/a"
+
+    def busy(r: HostResult) -> str:
+        flags = [t.gpu_kept_busy for t in r.timings.values()]
+        if not flags or any(f is None for f in flags):
+            return "-"  # the CPU dry run: no GPU to keep busy
+        if all(flags):
+            return "yes"
+        return "no " + notes.ref("the GPU went idle during the calls: the host time may include "
+                                 "waiting for the GPU")
+
+    for r in results:
+        p, s = r.point, r.point.shape
+        rows.append([f"{s.problem} {PROBLEM_NAMES[s.problem]}", str(s), p.spec.name, p.mode,
+                     t(r, "ours"), t(r, "eager"), fmt_num(r.ratio(), 2), busy(r)])
+    return rows
+
+
 def gemm_rows(results: Sequence[CaseResult], notes: Notes) -> list[list[str]]:
     rows = []
     for r in results:
@@ -214,20 +277,36 @@ def split_sweep(results: Sequence[CaseResult]) -> tuple[list[CaseResult], list[C
     if sweep:
         k, n = sweep[0].case.shape.k, sweep[0].case.shape.n
         on_line = [r for r in main if r.case.shape.problem == SWEEP_PROBLEM
+                   and r.case.mode != TRAIN_STEP  # the sweep is of forwards
                    and (r.case.shape.k, r.case.shape.n) == (k, n)]
         sweep = sorted(sweep + on_line,
                        key=lambda r: (r.case.mode != "train", r.case.spec.name, r.case.shape.m))
     return main, sweep
 
 
-def build_tables(env: dict, results, softmax,
-                 copy: Optional[CopyResult]) -> tuple[list[Table], Notes]:
+def split_steps(results: Sequence[CaseResult]) -> tuple[list[CaseResult], list[CaseResult]]:
+    """(the forward cases, the training-step cases), each in the given order."""
+    return ([r for r in results if r.case.mode != TRAIN_STEP],
+            [r for r in results if r.case.mode == TRAIN_STEP])
+
+
+STEP_TITLE = "Training step (forward + backward): ModelNew vs PyTorch (median ms per step)"
+HOST_TITLE = "Host time per forward (median us of CPU time per Python call, GPU kept busy)"
+
+
+def build_tables(env: dict, results, softmax, copy: Optional[CopyResult],
+                 host: Sequence[HostResult] = ()) -> tuple[list[Table], Notes]:
     notes = Notes()
     main, sweep = split_sweep(results)
+    forwards, steps = split_steps(main)
     tables = []
-    if main:
+    if forwards:
         tables.append(Table("ModelNew vs PyTorch (median ms per forward)", MODEL_HEADERS,
-                            model_rows(main, notes), left=5))
+                            model_rows(forwards, notes), left=5))
+    if steps:
+        tables.append(Table(STEP_TITLE, STEP_HEADERS, step_rows(steps, notes), left=4))
+    if host:
+        tables.append(Table(HOST_TITLE, HOST_HEADERS, host_rows(host, notes), left=4))
     if sweep:
         tables.append(Table(f"M sweep, problem {SWEEP_PROBLEM}", MODEL_HEADERS,
                             model_rows(sweep, notes), left=5))
@@ -243,6 +322,13 @@ def build_tables(env: dict, results, softmax,
     return tables, notes
 
 
+def host_line(r: HostResult) -> str:
+    """One progress line: both host times and their ratio."""
+    parts = [f"{impl} {fmt_num(r.us(impl), 1)} us" if impl in r.timings
+             else f"{impl} failed" for impl in ("ours", "eager")]
+    return ", ".join(parts) + f" (ours / eager {fmt_num(r.ratio(), 2)})"
+
+
 def copy_line(copy: CopyResult) -> str:
     if copy.gbps is None:
         return f"n/a: {copy.failure}"
@@ -253,8 +339,8 @@ def copy_line(copy: CopyResult) -> str:
 # --------------------------------------------------------------------------- outputs
 
 
-def text_report(env: dict, results, softmax, copy) -> str:
-    tables, notes = build_tables(env, results, softmax, copy)
+def text_report(env: dict, results, softmax, copy, host: Sequence[HostResult] = ()) -> str:
+    tables, notes = build_tables(env, results, softmax, copy, host)
     head = (f"epifuse benchmark -- {env.get('gpu')} | torch {env.get('torch')} | "
             f"CUDA {env.get('cuda')} | {env.get('date')}")
     parts = [head, ""]
@@ -262,25 +348,52 @@ def text_report(env: dict, results, softmax, copy) -> str:
         parts += [t.text(), ""]
     if notes.items:
         parts += ["Notes:", *notes.lines(), ""]
-    parts.append(legend(env, results))
+    parts.append(legend(env, results, host))
     return "\n".join(parts)
 
 
-def legend(env: dict, results: Sequence[CaseResult]) -> str:
+STEP_LEGEND = (
+    "Training step = one training-mode forward + backward per timed call: x requires grad "
+    "(dX is computed, as for a head inside a network), all parameters require grad, and their "
+    "gradients (and x's) are set to None before each step; the upstream gradient is a fixed "
+    "random g per input, applied as y.backward(g) (the gradients of (y * g).sum(), without "
+    "timing that stand-in loss). Its TFLOP/s count 3 GEMMs (forward, dX, dW); 'vs KB ref' "
+    "divides eager fp32-ieee's step. err dX / err dW = the input's and gemm.weight's gradients "
+    "against a float64 step with the same (rounded) parameters, x and g.")
+
+
+def host_legend(env: dict) -> str:
+    if on_cuda(env):
+        how = ("time.perf_counter around each Python call of a forward (under torch.no_grad()) "
+               "while a spin kernel queued ahead keeps the GPU busy, so calls only queue their "
+               "kernels: host time (Python, dispatch, allocation, launches), no GPU time; "
+               "median over rounds of back-to-back calls after warm-up")
+    else:
+        how = "time.perf_counter around whole CPU calls (dry run: no GPU)"
+    return f"Host time: {how}."
+
+
+def legend(env: dict, results: Sequence[CaseResult], host: Sequence[HostResult] = ()) -> str:
     """The footer; names only what this run measured (a CPU dry run has no CUDA events)."""
     compiled = any(r.case.compile for r in results)
     impls = "ours = ModelNew (epifuse); eager = reference Model"
     impls += ("; compile = torch.compile(Model), default mode" if compiled
               else "; torch.compile not timed (--no-compile)")
-    return (f"{impls}. Times: median of {timer_name(env)} timings after warm-up, inputs "
+    text = (f"{impls}. Times: median of {timer_name(env)} timings after warm-up, inputs "
             "rotated. TFLOP/s = 2*M*N*K / time. 'vs KB ref' = eager fp32 with TF32 off (the "
             "KernelBench reference) / ours. err = ||out - ref64|| / ||ref64|| and max "
             "|out - ref64| against a float64 forward of the same (rounded) parameters and input.")
+    if any(r.case.mode == TRAIN_STEP for r in results):
+        text += " " + STEP_LEGEND
+    if host:
+        text += " " + host_legend(env)
+    return text
 
 
 def markdown_report(env: dict, settings: dict, results, softmax, copy,
-                    charts: Sequence[str] = (), md_path: Optional[str] = None) -> str:
-    tables, notes = build_tables(env, results, softmax, copy)
+                    charts: Sequence[str] = (), md_path: Optional[str] = None,
+                    host: Sequence[HostResult] = ()) -> str:
+    tables, notes = build_tables(env, results, softmax, copy, host)
     lines = ["# epifuse benchmark", ""]
     lines += [
         f"- GPU: **{env.get('gpu')}**"
@@ -300,7 +413,8 @@ def markdown_report(env: dict, settings: dict, results, softmax, copy,
         lines += ["**Dry run on the CPU at tiny sizes (`--device cpu`): the timings only test "
                   "the benchmark's plumbing.**", ""]
     lines += [
-        "Method: forward passes under `torch.no_grad()`; each time is the median of "
+        "Method: forward passes under `torch.no_grad()` (training steps: forward + backward "
+        "with autograd, see below); each time is the median of "
         f"{settings.get('iters')} (or fewer for slow calls, at least {settings.get('min_iters')}) "
         f"{timer_name(env)} timings after {settings.get('warmup')} warm-up calls, cycling several "
         "distinct inputs so that the activations do not stay in L2. fp32 rows: `fp32-ieee` = TF32 "
@@ -317,7 +431,7 @@ def markdown_report(env: dict, settings: dict, results, softmax, copy,
         lines += [f"## {t.title}", "", t.markdown(), ""]
     if notes.items:
         lines += ["Notes:", ""] + [f"{n}  " for n in notes.lines()] + [""]
-    lines += [legend(env, results), ""]
+    lines += [legend(env, results, host), ""]
     for chart in charts:
         target = chart
         if md_path:
@@ -338,12 +452,14 @@ def _clean(obj):
     return obj
 
 
-def json_report(env: dict, settings: dict, results, softmax, copy, complete: bool = True) -> str:
+def json_report(env: dict, settings: dict, results, softmax, copy, complete: bool = True,
+                host: Sequence[HostResult] = ()) -> str:
     doc = {
         "complete": complete,
         "env": env,
         "settings": settings,
         "cases": [r.to_dict() for r in results],
+        "host_time": [r.to_dict() for r in host],
         "softmax": [r.to_dict() for r in softmax],
         "copy_bandwidth": copy.to_dict() if copy is not None else None,
     }

@@ -4,10 +4,12 @@ Implementations of a configuration:
   ours     ModelNew(precision=spec.precision)          (epifuse fused forward)
   eager    Model                                          (PyTorch eager, same dtype / matmul policy)
   compile  torch.compile(Model), default mode             (compile errors are reported, not raised)
-On the problem-84 KernelBench shape also:
+On the KernelBench shapes also (forward modes only):
   gemm     our GEMM op alone (gemm_colstats in train, gemm_affine in eval)
   torch_mm torch.mm(x, W.T) under the same matmul policy (cuBLAS on CUDA)
-Everything runs forward-only under torch.no_grad().
+The "train" and "eval" modes time forwards under torch.no_grad(); "train-step" times a
+training-mode forward plus its backward (see training.py) and checks the gradients of the
+input and of the Linear weight instead of the output.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from epifuse import ops
 from epifuse.head import fast_path_reason
 from epifuse.precision import resolve_precision
 
-from . import models
+from . import models, training
 from .accuracy import ErrorStats, error_stats
-from .configs import DTYPES, KB_REFERENCE, Case, Shape
+from .configs import DTYPES, KB_REFERENCE, TRAIN_STEP, Case, Shape
 from .timing import Timing, TimingSettings, measure, rotation_count
 
 IMPLS = ("ours", "eager", "compile")
@@ -52,9 +54,16 @@ class CaseResult:
         base = self.kb_reference_ms if baseline == "kb" else self.ms(baseline)
         return base / ours if ours and base else None
 
+    @property
+    def flops(self) -> float:
+        """GEMM FLOPs of one timed call: a step adds the backward's dX and dW GEMMs."""
+        return self.case.shape.flops * (3 if self.case.mode == TRAIN_STEP else 1)
+
     def tflops(self, impl: str = "ours") -> Optional[float]:
         ms = self.ms(impl)
-        return self.case.shape.flops / (ms * 1e-3) / 1e12 if ms else None
+        if ms and impl in ("gemm", "torch_mm"):  # forward GEMMs alone
+            return self.case.shape.flops / (ms * 1e-3) / 1e12
+        return self.flops / (ms * 1e-3) / 1e12 if ms else None
 
     def to_dict(self) -> dict:
         c, s = self.case, self.case.shape
@@ -65,7 +74,7 @@ class CaseResult:
             "mode": c.mode, "skipped": c.skip, "path": self.path,
             "compile_timed": c.compile, "compile_note": c.compile_note,
             "gemm_alone": c.gemm_alone,
-            "flops": s.flops,
+            "flops": self.flops,
             "timings_ms": {k: v.to_dict() for k, v in self.timings.items()},
             "failures": dict(self.failures),
             "tflops": {k: self.tflops(k) for k in self.timings},
@@ -127,8 +136,49 @@ def _attempt(result: CaseResult, impl: str, fn: Callable[[], Timing], device: to
         free_memory(device)
 
 
-@torch.no_grad()
 def _accuracy(case: Case, state: dict, device: torch.device, result: CaseResult,
+              log: Callable[[str], None], verbose: bool) -> None:
+    if case.mode == TRAIN_STEP:
+        _gradient_accuracy(case, state, device, result, log, verbose)
+    else:
+        _forward_accuracy(case, state, device, result, log, verbose)
+
+
+def _gradient_accuracy(case: Case, state: dict, device: torch.device, result: CaseResult,
+                       log: Callable[[str], None], verbose: bool) -> None:
+    """Errors of dX and dW vs a float64 step for ours and eager (accuracy "<impl>:dx"/":dw")."""
+    shape, spec = case.shape, case.spec
+    pair = training.make_step_inputs(shape, spec.dtype, device, 1, seed=models.SEED + 100)[0]
+    try:
+        ref = training.reference_gradients(shape, state, pair, dtype=spec.dtype, device=device,
+                                           mode=case.mode)
+    except Exception as e:  # noqa: BLE001
+        for impl in ("ours", "eager"):
+            result.failures[f"accuracy:{impl}"] = f"fp64 reference failed: {describe(e)}"
+        log(f"  {case.label}: fp64 reference failed: {describe(e)}")
+        free_memory(device)
+        return
+    for impl in ("ours", "eager"):
+        try:
+            with spec.torch_settings():
+                model = models.build(shape, state, new=impl == "ours", dtype=spec.dtype,
+                                     device=device, mode=case.mode,
+                                     precision=spec.precision if impl == "ours" else None)
+                errors = training.step_errors(model, pair, ref)
+            result.accuracy.update({f"{impl}:{k}": v for k, v in errors.items()})
+            del model
+        except Exception as e:  # noqa: BLE001
+            result.failures[f"accuracy:{impl}"] = describe(e)
+            log(f"  {case.label}: gradient check of {impl} failed: {describe(e)}")
+            if verbose:
+                log(traceback.format_exc())
+        free_memory(device)
+    del ref, pair
+    free_memory(device)
+
+
+@torch.no_grad()
+def _forward_accuracy(case: Case, state: dict, device: torch.device, result: CaseResult,
               log: Callable[[str], None], verbose: bool) -> None:
     """Errors vs float64 for ours and eager, each a fresh copy of the same state."""
     shape, spec = case.shape, case.spec
@@ -174,8 +224,11 @@ def _time_model(case: Case, state: dict, inputs: list, device: torch.device,
         torch._dynamo.reset()  # a fresh cache: no recompile limit, no stale matmul policy
         fn = torch.compile(model)
     try:
-        with spec.torch_settings(), torch.no_grad():
-            return measure(fn, inputs, device, settings)
+        with spec.torch_settings():
+            if case.mode == TRAIN_STEP:  # autograd on: forward + backward per call
+                return measure(training.make_step(model, fn), inputs, device, settings)
+            with torch.no_grad():
+                return measure(fn, inputs, device, settings)
     finally:
         del fn, model
         if compiled:
@@ -186,12 +239,21 @@ def _time_kb_reference(case: Case, state: dict, device: torch.device,
                        settings: TimingSettings) -> Timing:
     """Eager fp32-ieee on the case's shape and mode (when fp32-ieee is not in the plan)."""
     spec = DTYPES[KB_REFERENCE]
-    count = rotation_count(case.shape.m * case.shape.k * 4, device)
-    inputs = models.make_inputs(case.shape, spec.dtype, device, count, seed=models.SEED + 200)
+    inputs = _timing_inputs(case, spec.dtype, device, seed=models.SEED + 200)
     try:
         return _time_model(case, state, inputs, device, settings, new=False, spec=spec)
     finally:
         del inputs
+
+
+def _timing_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int) -> list:
+    """Enough distinct inputs (with their upstream gradients for a step) to rotate out of L2."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    if case.mode == TRAIN_STEP:
+        count = rotation_count(training.step_bytes(case.shape, esize), device)
+        return training.make_step_inputs(case.shape, dtype, device, count, seed=seed)
+    count = rotation_count(case.shape.m * case.shape.k * esize, device)
+    return models.make_inputs(case.shape, dtype, device, count, seed=seed)
 
 
 def _time_gemm(case: Case, state: dict, inputs: list, device: torch.device,
@@ -230,14 +292,13 @@ def run_case(case: Case, state: dict, device: torch.device, settings: TimingSett
 
     _accuracy(case, state, device, result, log, verbose)
 
-    esize = torch.empty((), dtype=spec.dtype).element_size()
     inputs = []
     try:
-        count = rotation_count(shape.m * shape.k * esize, device)
-        inputs = models.make_inputs(shape, spec.dtype, device, count, seed=models.SEED + 1000)
+        inputs = _timing_inputs(case, spec.dtype, device, seed=models.SEED + 1000)
         model_new = models.build(shape, state, new=True, dtype=spec.dtype, device=device,
                                  mode=case.mode, precision=spec.precision)
-        reason = fast_path_reason(model_new, inputs[0])
+        x0 = inputs[0][0] if case.mode == TRAIN_STEP else inputs[0]
+        reason = fast_path_reason(model_new, x0)
         result.path = "fused" if reason is None else reason
         del model_new
     except Exception as e:  # noqa: BLE001 -- e.g. out of memory for the inputs

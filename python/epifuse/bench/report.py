@@ -291,7 +291,7 @@ def split_steps(results: Sequence[CaseResult]) -> tuple[list[CaseResult], list[C
 
 
 STEP_TITLE = "Training step (forward + backward): ModelNew vs PyTorch (median ms per step)"
-HOST_TITLE = "Host time per forward (median us of CPU time per Python call, GPU kept busy)"
+HOST_TITLE = "Host time per forward (median us of CPU time per Python call)"
 
 
 def build_tables(env: dict, results, softmax, copy: Optional[CopyResult],

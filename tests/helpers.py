@@ -96,3 +96,20 @@ def long_tests_requested(config) -> bool:
 
     return bool(config.getoption("--long", default=False)) or \
         os.environ.get("EPIFUSE_LONG_TESTS", "") not in ("", "0")
+
+
+def assert_head_grads_close(number: int, training: bool, model: nn.Module, g_new, g_ref,
+                            tol: float) -> None:
+    """Gradients of [x, *model.parameters()] from ModelNew (g_new) against Model's (g_ref).
+
+    In training, BatchNorm removes gemm.bias (and, up to eps, problem 39's scale, which multiplies
+    before it): their true gradients vanish and Model's are rounding noise, so those two are
+    compared against the weight gradient's size (tests/test_backward_cpu.py holds every gradient
+    to float64).
+    """
+    names = ["x"] + [n for n, _ in model.named_parameters()]
+    vanishing = ({"gemm.bias"} | ({"scale"} if number == 39 else set())) if training else set()
+    g_weight = dict(zip(names, g_ref))["gemm.weight"]
+    for name, a, b in zip(names, g_new, g_ref, strict=True):
+        err = ((a - b).norm() / g_weight.norm()).item() if name in vanishing else rel_err(a, b)
+        assert err <= tol, (name, err)

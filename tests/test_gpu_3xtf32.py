@@ -56,10 +56,11 @@ def _sgemm(x, w):
         torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-# (M, K, N): small K (one or a few K-tiles, a ragged one), both problems' shapes, stream-K grids
-# (fewer 128x128 tiles than SMs), small batches (the transposed 128x64 tiles).
-SWEEP = [(256, 16, 256), (256, 17, 256), (512, 40, 512), (1000, 100, 1024), (128, 1000, 4096),
-         (400, 2048, 4096), (1024, 8192, 8192), (4096, 4096, 4096), (2100, 2304, 64)]
+# (M, K, N) of at least 2^30 multiply-adds, K >= 64 (smaller problems run SGEMM: see
+# test_small_problems_run_sgemm): small K (4 K-tiles of 16 k), a ragged batch tile, both problems'
+# shapes, a stream-K grid (fewer 128x128 tiles than SMs).
+SWEEP = [(4096, 64, 4096), (2048, 256, 2048), (2100, 2304, 256), (1024, 1024, 1024),
+         (400, 2048, 4096), (1024, 8192, 8192), (4096, 4096, 4096)]
 
 
 @hopper_only
@@ -80,13 +81,28 @@ def test_error_no_larger_than_sgemm(m, k, n, offset):
     assert rel_err(colsumsq, (z.double() ** 2).sum(0)) <= 1e-9
 
 
+# Below 64 rows, K = 64 or 2^30 multiply-adds, SGEMM is faster or more accurate (gemm_dispatch.cu).
+SMALL = [(32, 8192, 8192), (4096, 32, 4096), (256, 17, 256), (128, 1024, 512)]
+
+
+@hopper_only
+@pytest.mark.parametrize("m,k,n", SMALL, ids=[f"M{m}-K{k}-N{n}" for m, k, n in SMALL])
+def test_small_problems_run_sgemm(m, k, n):
+    x, w = _operands(m, k, n, seed=3)
+    a, c = torch.ones(n, device=CUDA), torch.zeros(n, device=CUDA)
+    assert not _ran_split_gemm(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"))
+    torch.testing.assert_close(ops.gemm_affine(x, w, a, c, "3xtf32"), _sgemm(x, w),
+                               rtol=1e-6, atol=1e-6)
+
+
 @hopper_only
 def test_nonfinite_rows_match_ieee():
-    x, w = _operands(256, 512, 256)
+    x, w = _operands(1024, 1024, 1024)
     x[3, 7] = float("inf")
     x[10, 0] = float("-inf")
     x[20, 100] = float("nan")
-    a, c = torch.ones(256, device=CUDA), torch.zeros(256, device=CUDA)
+    a, c = torch.ones(1024, device=CUDA), torch.zeros(1024, device=CUDA)
+    assert _ran_split_gemm(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"))
     y = ops.gemm_affine(x, w, a, c, "3xtf32")
     expected = _sgemm(x, w)
     assert torch.equal(torch.isnan(y), torch.isnan(expected))
@@ -97,8 +113,8 @@ def test_nonfinite_rows_match_ieee():
 
 @hopper_only
 def test_weight_split_cache_sees_in_place_updates():
-    x, w = _operands(512, 1024, 512)
-    a, c = torch.ones(512, device=CUDA), torch.zeros(512, device=CUDA)
+    x, w = _operands(1024, 1024, 1024)
+    a, c = torch.ones(1024, device=CUDA), torch.zeros(1024, device=CUDA)
     for _ in range(3):  # the second call with an unchanged weight caches its split
         ops.gemm_affine(x, w, a, c, "3xtf32")
     with torch.no_grad():
@@ -112,8 +128,8 @@ def test_weight_split_cache_sees_in_place_updates():
 
 @hopper_only
 def test_graph_replay_sees_weight_updates():
-    x, w = _operands(512, 1024, 512)
-    a, c = torch.ones(512, device=CUDA), torch.zeros(512, device=CUDA)
+    x, w = _operands(1024, 1024, 1024)
+    a, c = torch.ones(1024, device=CUDA), torch.zeros(1024, device=CUDA)
     for _ in range(3):
         ops.gemm_affine(x, w, a, c, "3xtf32")  # the split is cached before capture
     stream = torch.cuda.Stream()
@@ -134,16 +150,17 @@ def test_graph_replay_sees_weight_updates():
 def test_backward_matmul_transposed_views(precision, tol):
     """The backward's GEMMs, dX = dZ . W and dW = dZ^T . X, take transposed views, no copies."""
     g = torch.Generator(device=CUDA).manual_seed(5)
-    dz = torch.randn(640, 512, device=CUDA, generator=g)   # [M, N]
-    w = torch.randn(512, 768, device=CUDA, generator=g)    # [N, K]
-    x = torch.randn(640, 768, device=CUDA, generator=g)    # [M, K]
+    dz = torch.randn(2048, 1024, device=CUDA, generator=g)  # [M, N]
+    w = torch.randn(1024, 512, device=CUDA, generator=g)    # [N, K]
+    x = torch.randn(2048, 512, device=CUDA, generator=g)    # [M, K]
     dx = ops.backward_matmul(dz, w, precision)
-    assert dx.shape == (640, 768) and dx.is_contiguous()
+    assert dx.shape == (2048, 512) and dx.is_contiguous()
     assert rel_err(dx, dz.double() @ w.double()) <= tol
     dw = ops.backward_matmul(dz.t(), x, precision)
-    assert dw.shape == (512, 768)
+    assert dw.shape == (1024, 512)
     assert rel_err(dw, dz.double().T @ x.double()) <= tol
-    if precision == "3xtf32":
+    if precision == "3xtf32":  # both with transposed views: dX's b and dW's a
+        assert _ran_split_gemm(lambda: ops.backward_matmul(dz, w, precision))
         assert _ran_split_gemm(lambda: ops.backward_matmul(dz.t(), x, precision))
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from epifuse import head
-from helpers import FUSED_NODE, PROBLEMS, init_args, make_pair, rel_err
+from helpers import FUSED_NODE, PROBLEMS, assert_head_grads_close, init_args, make_pair, rel_err
 
 NUMBERS = [pytest.param(84, id="p84"), pytest.param(39, id="p39")]
 SCALES = {84: [(1,), (8,)], 39: [(8,), (1,)]}
@@ -198,15 +198,7 @@ def test_gradients_match_model(number, fused_on_cpu, op_calls):
     w = torch.randn_like(y_ref)
     g_ref = torch.autograd.grad((y_ref * w).sum(), [x, *ref.parameters()])
     g_new = torch.autograd.grad((y_new * w).sum(), [x, *new.parameters()])
-    names = ["x"] + [n for n, _ in new.named_parameters()]
-    # Training BatchNorm removes gemm.bias (and, up to eps, problem 39's scale): Model's gradients
-    # of those are rounding noise, so they are compared against the weight gradient's size
-    # (tests/test_backward_cpu.py holds them to float64).
-    vanishing = {"gemm.bias"} | ({"scale"} if number == 39 else set())
-    g_weight = dict(zip(names, g_ref))["gemm.weight"]
-    for name, a, b in zip(names, g_new, g_ref, strict=True):
-        err = (a - b).norm() / g_weight.norm() if name in vanishing else rel_err(a, b)
-        assert err < 1e-5, name
+    assert_head_grads_close(number, True, new, g_new, g_ref, 1e-5)
 
 
 @pytest.mark.parametrize("number", NUMBERS)

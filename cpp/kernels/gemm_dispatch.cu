@@ -81,18 +81,31 @@ bool force_sm80() {
   return forced;
 }
 
-// Below this many rows a 3xTF32 GEMM is bound by reading the weight, which its split doubles
-// (hi and lo parts): SGEMM, which reads it once at fp32 accuracy, is faster there. Estimated for
-// problem 84's 8192x8192 weight on an H100 (~3 TB/s, SGEMM ~50 TFLOP/s, 3xTF32 ~140 effective):
-// the two meet near 64 rows.
+// Where 3xTF32 gives way to cuBLAS's SGEMM (both fp32-accurate):
+//  - below kSplitMinRows rows the GEMM is bound by reading the weight, which the split doubles
+//    (hi and lo parts); SGEMM reads it once. Estimated for problem 84's 8192x8192 weight on an H100
+//    (~3 TB/s, SGEMM ~50 TFLOP/s, 3xTF32 130-135): the two meet near 64 rows.
+//  - at small K, 3xTF32's error is not clearly below SGEMM's (it drops lo*lo, ~2^-22 per product,
+//    while SGEMM's own error grows with K): max error ratio 1.17 at K = 16, 0.98 at K = 32, 0.67 at
+//    K = 64 (H100, promotion every K-tile, sm90_mainloop_3xtf32.hpp); kSplitMinK keeps a margin.
+//  - below kSplitMinMacs multiply-adds the split, the row flags and the repair pass (three more
+//    launches, ~50 us of host time) cost more than SGEMM's whole run: problem 84's 128x1024->512
+//    eval forward took 0.173 ms at 3xTF32 against eager SGEMM's 0.106 ms (H100).
 constexpr int64_t kSplitMinRows = 64;
+constexpr int64_t kSplitMinK = 64;
+constexpr double kSplitMinMacs = double(1 << 30);
+
+bool split_pays(const GemmProblem& p) {
+  return p.M >= kSplitMinRows && p.K >= kSplitMinK &&
+         double(p.M) * double(p.N) * double(p.K) >= kSplitMinMacs;
+}
 
 Plan choose_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands* ops, int cc_major,
                  int cc_minor) {
   if (p.M == 0 || p.N == 0) return Plan::kEmpty;
   if (cc_major < 8 || p.K == 0) return Plan::kFallback;
   if (p.dtype == DType::kFloat32 &&
-      (p.math == MathMode::kIEEE || (p.math == MathMode::k3xTF32 && p.M < kSplitMinRows)))
+      (p.math == MathMode::kIEEE || (p.math == MathMode::k3xTF32 && !split_pays(p))))
     return Plan::kHostSgemm;
   const bool wgmma = EPIFUSE_HAVE_SM90 && cc_major == 9 && cc_minor == 0 && !force_sm80();
   // The split copies the operands into an aligned layout, so only the output side must be aligned.

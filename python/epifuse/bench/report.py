@@ -147,21 +147,35 @@ MODEL_HEADERS = ["problem", "M x K -> N", "dtype", "mode", "ModelNew path", "our
                  "err ours (rel / max)", "err eager (rel / max)"]
 
 
-def model_rows(results: Sequence[CaseResult], notes: Notes) -> list[list[str]]:
-    rows = []
-    for r in results:
-        c, s = r.case, r.case.shape
-        head = [f"{s.problem} {PROBLEM_NAMES[s.problem]}", str(s), c.spec.name, c.mode]
-        if c.skip:
-            rows.append(head + ["skipped " + notes.ref(c.skip)] + ["-"] * 9)
-            continue
-        rows.append(head + [
-            _path_cell(r, notes),
+def _timing_cells(r: CaseResult, notes: Notes) -> list[str]:
+    """The cells every model table shares: path, times, rate and speed-ups."""
+    return [_path_cell(r, notes),
             _time_cell(r, "ours", notes), fmt_rate(r.tflops("ours")),
             _time_cell(r, "eager", notes), _time_cell(r, "compile", notes),
-            fmt_x(r.speedup("eager")), fmt_x(r.speedup("compile")), fmt_x(r.speedup("kb")),
-            _acc_cell(r, "ours", notes), _acc_cell(r, "eager", notes)])
+            fmt_x(r.speedup("eager")), fmt_x(r.speedup("compile")), fmt_x(r.speedup("kb"))]
+
+
+def _case_rows(results: Sequence[CaseResult], notes: Notes, head_of, error_cells,
+               width: int) -> list[list[str]]:
+    rows = []
+    for r in results:
+        head = head_of(r.case)
+        if r.case.skip:
+            rows.append(head + ["skipped " + notes.ref(r.case.skip)] + ["-"] * (width - 1))
+        else:
+            rows.append(head + _timing_cells(r, notes) + error_cells(r))
     return rows
+
+
+def _case_head(c, with_mode: bool) -> list[str]:
+    s = c.shape
+    return [f"{s.problem} {PROBLEM_NAMES[s.problem]}", str(s), c.spec.name] + (
+        [c.mode] if with_mode else [])
+
+
+def model_rows(results: Sequence[CaseResult], notes: Notes) -> list[list[str]]:
+    return _case_rows(results, notes, lambda c: _case_head(c, True),
+                      lambda r: [_acc_cell(r, "ours", notes), _acc_cell(r, "eager", notes)], 10)
 
 
 STEP_HEADERS = ["problem", "M x K -> N", "dtype", "ModelNew path", "ours ms", "TFLOP/s",
@@ -179,21 +193,11 @@ def _grad_cell(r: CaseResult, impl: str, grad: str, notes: Notes) -> str:
 
 def step_rows(results: Sequence[CaseResult], notes: Notes) -> list[list[str]]:
     """Training-step rows: the forward table's columns, with dX and dW errors for the output's."""
-    rows = []
-    for r in results:
-        c, s = r.case, r.case.shape
-        head = [f"{s.problem} {PROBLEM_NAMES[s.problem]}", str(s), c.spec.name]
-        if c.skip:
-            rows.append(head + ["skipped " + notes.ref(c.skip)] + ["-"] * 11)
-            continue
-        rows.append(head + [
-            _path_cell(r, notes),
-            _time_cell(r, "ours", notes), fmt_rate(r.tflops("ours")),
-            _time_cell(r, "eager", notes), _time_cell(r, "compile", notes),
-            fmt_x(r.speedup("eager")), fmt_x(r.speedup("compile")), fmt_x(r.speedup("kb")),
-            _grad_cell(r, "ours", "dx", notes), _grad_cell(r, "eager", "dx", notes),
-            _grad_cell(r, "ours", "dw", notes), _grad_cell(r, "eager", "dw", notes)])
-    return rows
+    return _case_rows(results, notes, lambda c: _case_head(c, False),
+                      lambda r: [_grad_cell(r, "ours", "dx", notes),
+                                 _grad_cell(r, "eager", "dx", notes),
+                                 _grad_cell(r, "ours", "dw", notes),
+                                 _grad_cell(r, "eager", "dw", notes)], 12)
 
 
 HOST_HEADERS = ["problem", "M x K -> N", "dtype", "mode", "ours us", "eager us", "ours / eager",

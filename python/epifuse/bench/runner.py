@@ -138,20 +138,13 @@ def _attempt(result: CaseResult, impl: str, fn: Callable[[], Timing], device: to
 
 def _accuracy(case: Case, state: dict, device: torch.device, result: CaseResult,
               log: Callable[[str], None], verbose: bool) -> None:
-    if case.mode == TRAIN_STEP:
-        _gradient_accuracy(case, state, device, result, log, verbose)
-    else:
-        _forward_accuracy(case, state, device, result, log, verbose)
-
-
-def _gradient_accuracy(case: Case, state: dict, device: torch.device, result: CaseResult,
-                       log: Callable[[str], None], verbose: bool) -> None:
-    """Errors of dX and dW vs a float64 step for ours and eager (accuracy "<impl>:dx"/":dw")."""
+    """Errors against a float64 twin for ours and eager, each a fresh copy of the same state: of
+    the forward's output (accuracy key "<impl>"), or of a training step's dX and dW ("<impl>:dx",
+    "<impl>:dw")."""
     shape, spec = case.shape, case.spec
-    pair = training.make_step_inputs(shape, spec.dtype, device, 1, seed=models.SEED + 100)[0]
     try:
-        ref = training.reference_gradients(shape, state, pair, dtype=spec.dtype, device=device,
-                                           mode=case.mode)
+        errors_of = (_step_errors if case.mode == TRAIN_STEP else _forward_errors)(
+            case, state, device)
     except Exception as e:  # noqa: BLE001
         for impl in ("ours", "eager"):
             result.failures[f"accuracy:{impl}"] = f"fp64 reference failed: {describe(e)}"
@@ -164,53 +157,40 @@ def _gradient_accuracy(case: Case, state: dict, device: torch.device, result: Ca
                 model = models.build(shape, state, new=impl == "ours", dtype=spec.dtype,
                                      device=device, mode=case.mode,
                                      precision=spec.precision if impl == "ours" else None)
-                errors = training.step_errors(model, pair, ref)
-            result.accuracy.update({f"{impl}:{k}": v for k, v in errors.items()})
+                result.accuracy.update(errors_of(model, impl))
             del model
-        except Exception as e:  # noqa: BLE001
-            result.failures[f"accuracy:{impl}"] = describe(e)
-            log(f"  {case.label}: gradient check of {impl} failed: {describe(e)}")
-            if verbose:
-                log(traceback.format_exc())
-        free_memory(device)
-    del ref, pair
-    free_memory(device)
-
-
-@torch.no_grad()
-def _forward_accuracy(case: Case, state: dict, device: torch.device, result: CaseResult,
-              log: Callable[[str], None], verbose: bool) -> None:
-    """Errors vs float64 for ours and eager, each a fresh copy of the same state."""
-    shape, spec = case.shape, case.spec
-    x = models.make_inputs(shape, spec.dtype, device, 1, seed=models.SEED + 100)[0]
-    try:
-        ref = models.build_reference64(shape, state, dtype=spec.dtype, device=device,
-                                       mode=case.mode)
-        y64 = ref(x.to(torch.float64))
-        del ref
-    except Exception as e:  # noqa: BLE001
-        for impl in ("ours", "eager"):
-            result.failures[f"accuracy:{impl}"] = f"fp64 reference failed: {describe(e)}"
-        log(f"  {case.label}: fp64 reference failed: {describe(e)}")
-        free_memory(device)
-        return
-    for impl in ("ours", "eager"):
-        try:
-            with spec.torch_settings():
-                model = models.build(shape, state, new=impl == "ours", dtype=spec.dtype,
-                                     device=device, mode=case.mode,
-                                     precision=spec.precision if impl == "ours" else None)
-                y = model(x)
-            result.accuracy[impl] = error_stats(y, y64)
-            del model, y
         except Exception as e:  # noqa: BLE001
             result.failures[f"accuracy:{impl}"] = describe(e)
             log(f"  {case.label}: accuracy of {impl} failed: {describe(e)}")
             if verbose:
                 log(traceback.format_exc())
         free_memory(device)
-    del y64, x
+    del errors_of
     free_memory(device)
+
+
+def _step_errors(case: Case, state: dict, device: torch.device):
+    """A float64 training step's gradients, and how to measure a model's dX and dW against them."""
+    shape, spec = case.shape, case.spec
+    pair = training.make_step_inputs(shape, spec.dtype, device, 1, seed=models.SEED + 100)[0]
+    ref = training.reference_gradients(shape, state, pair, dtype=spec.dtype, device=device,
+                                       mode=case.mode)
+    return lambda model, impl: {f"{impl}:{k}": v
+                                for k, v in training.step_errors(model, pair, ref).items()}
+
+
+def _forward_errors(case: Case, state: dict, device: torch.device):
+    """A float64 forward's output, and how to measure a model's output against it."""
+    shape, spec = case.shape, case.spec
+    x = models.make_inputs(shape, spec.dtype, device, 1, seed=models.SEED + 100)[0]
+    with torch.no_grad():
+        y64 = models.build_reference64(shape, state, dtype=spec.dtype, device=device,
+                                       mode=case.mode)(x.to(torch.float64))
+
+    @torch.no_grad()
+    def errors(model, impl):
+        return {impl: error_stats(model(x), y64)}
+    return errors
 
 
 def _time_model(case: Case, state: dict, inputs: list, device: torch.device,

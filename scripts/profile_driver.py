@@ -40,8 +40,11 @@ def parse_args(argv):
                    help="84 (gemm_bn_scale_softmax) or 39 (gemm_scale_bn), or the module name")
     p.add_argument("--mode", choices=["train", "eval"], default="train")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--precision", choices=["tf32", "ieee"], default="tf32",
-                   help="fp32 GEMM precision (sets torch.set_float32_matmul_precision)")
+    # epifuse.precision.ALIASES's names (not imported here: that loads the library before --help)
+    p.add_argument("--precision", choices=["3xtf32", "highest", "ieee", "tf32", "high", "medium"],
+                   default="tf32",
+                   help="fp32 GEMM precision of ModelNew; the reference Model runs at 'highest' "
+                        "for 3xtf32/highest/ieee, else 'high' (torch.set_float32_matmul_precision)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the problem's)")
     p.add_argument("--in-features", type=int, default=None)
     p.add_argument("--out-features", type=int, default=None)
@@ -88,10 +91,14 @@ def build(args, torch):
               f"(batch {mod.batch_size}, {mod.in_features} -> {mod.out_features})")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = getattr(torch, DTYPES[args.dtype])
-    torch.set_float32_matmul_precision("highest" if args.precision == "ieee" else "high")
+    fp32_accurate = args.precision in ("3xtf32", "highest", "ieee")
+    torch.set_float32_matmul_precision("highest" if fp32_accurate else "high")
     torch.manual_seed(0)
-    cls = mod.ModelNew if args.model == "new" else mod.Model
-    model = cls(*mod.get_init_inputs()).to(device=device, dtype=dtype)
+    if args.model == "new":
+        model = mod.ModelNew(*mod.get_init_inputs(), precision=args.precision)
+    else:
+        model = mod.Model(*mod.get_init_inputs())
+    model = model.to(device=device, dtype=dtype)
     model.train(args.mode == "train")
     inputs = [t.to(device=device, dtype=dtype) if torch.is_tensor(t) else t for t in mod.get_inputs()]
     return mod, model, inputs, device

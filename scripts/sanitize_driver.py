@@ -112,7 +112,7 @@ def gemm_ops(shapes) -> None:
             c = torch.randn(n, device=dev, generator=g)
             z64 = x.double() @ w.double().T
             for precision, tol_id in precisions(dtype_id):
-                # fp32 'ieee': cuBLAS + epilogue pass, and (TF32 allowed in cuBLAS) the SIMT kernel
+                # fp32 'ieee': cuBLAS SGEMM + epilogue pass, also with TF32 allowed globally
                 modes = [False, True] if precision == "ieee" else [False]
                 for allow_tf32 in modes:
                     torch.backends.cuda.matmul.allow_tf32 = allow_tf32

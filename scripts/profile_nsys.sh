@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/profile_nsys.sh -- profile ModelNew under Nsight Systems, with NVTX ranges.
 #
-#   scripts/profile_nsys.sh [84|39] [train|eval] [--dtype fp32|fp16|bf16] [--precision tf32|ieee]
+#   scripts/profile_nsys.sh [84|39] [train|eval] [--dtype fp32|fp16|bf16] [--precision 3xtf32|ieee|tf32|...]
 #                           [--batch N] [--iters N] [--warmup N] [--model new|ref] [--out DIR]
 #   default: 84 train --dtype fp32 --precision tf32, output ./profile-out
 #

@@ -45,7 +45,8 @@ class DTypeSpec:
 
 DTYPES = {
     "fp32-ieee": DTypeSpec("fp32-ieee", torch.float32, "ieee", "highest"),
-    # fp32-class accuracy on the tensor cores, against PyTorch's fp32 ('highest') baselines.
+    # PyTorch's default precision: ModelNew(precision=None) under 'highest' runs exactly this
+    # (fp32 accuracy on the tensor cores), against PyTorch's fp32 ('highest') baselines.
     "fp32-3xtf32": DTypeSpec("fp32-3xtf32", torch.float32, "3xtf32", "highest"),
     "fp32-tf32": DTypeSpec("fp32-tf32", torch.float32, "tf32", "high"),
     "bf16": DTypeSpec("bf16", torch.bfloat16, None, "highest"),

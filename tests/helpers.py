@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from types import ModuleType
 from typing import Optional
@@ -14,9 +15,31 @@ from epifuse.problems import gemm_scale_bn as p39
 
 PROBLEMS = {84: p84, 39: p39}
 
-# The autograd node of epifuse::fused_head (its register_autograd backward): a gradient whose
+# The autograd node of epifuse::fused_head (its C++ autograd, cpp/ops/fused_head.cpp): a gradient whose
 # grad_fn is this came from the fused backward.
-FUSED_NODE = "GeneratedBackwardFor_epifuse_fused_head_defaultBackward"
+FUSED_NODE = "torch::autograd::CppNode<epifuse::FusedHead>"
+
+
+@contextlib.contextmanager
+def traced_epifuse_ops():
+    """The epifuse ops that ran inside the block (short names, in call order, nested included).
+
+    The profiler sees every op call, also those the C++ composites (fused_head and its
+    backward) make through the dispatcher, which no Python spy can intercept. An op that calls
+    itself again below autograd (the C++ autograd kernels do) is listed once.
+    """
+    names: list[str] = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield names
+    events = sorted((e for e in prof.events() if e.name.startswith("epifuse::")),
+                    key=lambda e: (e.time_range.start, -e.time_range.end))
+    kept: list = []
+    for e in events:
+        outer = next((k for k in reversed(kept) if k.time_range.end >= e.time_range.end), None)
+        if outer is not None and outer.name == e.name and outer.time_range.start <= e.time_range.start:
+            continue  # the same op again inside itself (the autograd kernel's redispatch)
+        kept.append(e)
+    names.extend(e.name.split("::", 1)[1] for e in kept)
 
 
 def init_args(number: int, in_f: int, out_f: int, scale_shape=None, *, eps: float = 1e-5,

@@ -74,6 +74,23 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
         ],
         "head_grad_z": [(grad, out, rowdot, z, coef), (grad, None, None, z, coef)],
         "backward_matmul": [(z, t(n, k), prec), (z.t(), x, prec)],
+        # (x, weight, bias, gamma, beta, scale, running_mean, running_var, precision, training,
+        #  scale_before_bn, softmax, eps, group_name)
+        "fused_head": [
+            (x, w, bias, gamma, beta, s1, *stats()[:2], prec, True, False, True, 1e-5, ""),
+            (x, w, None, gamma, beta, sn, *stats()[:2], prec, True, True, False, 1e-3, ""),
+            (x, w, bias, gamma, beta, s1, *stats()[:2], prec, False, False, True, 1e-5, ""),
+        ],
+        # (grad, x, weight, bias, gamma, beta, scale, z, out, colsum, colsumsq, moments,
+        #  precision, training, scale_before_bn, softmax, eps, group_name, needs)
+        "fused_head_backward": [
+            (grad, x, w, bias, gamma, beta, s1, z, out, colsum, colsumsq, moments, prec, True,
+             False, True, 1e-5, "", [True] * 6),
+            (grad, x, None, None, gamma, beta, sn, z, None, colsum, colsumsq, moments, prec, True,
+             True, False, 1e-3, "", [False, True, False, True, True, True]),
+            (grad, None, w, bias, gamma, beta, s1, z, out, None, None, moments, prec, False,
+             False, True, 1e-5, "", [True, False, True, True, True, True]),
+        ],
     }
 
 

@@ -34,6 +34,8 @@ OP_NAMES = (
     "epifuse::head_grad_coefficients",
     "epifuse::head_grad_z",
     "epifuse::backward_matmul",
+    "epifuse::fused_head",
+    "epifuse::fused_head_backward",
 )
 
 _ops = torch.ops.epifuse

@@ -661,13 +661,16 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   EPIFUSE_CHECK(a.size(1) == b.size(0), "mat1 and mat2 shapes cannot be multiplied (", a.size(0),
                 "x", a.size(1), " and ", b.size(0), "x", b.size(1), ")");
   // a . b = a . (b^T)^T: the GEMM of the forward with b^T as its weight, a view (no copy).
-  PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op,
-                                /*keep_views=*/true);
-  if (gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
-    run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
-  } else {
-    cublas_product(g);
+  const std::string prec(precision);
+  PreparedGemm g = prepare_gemm(a, b.t(), prec, Epilogue::kAffine, op, /*keep_views=*/true);
+  if (!backward_gemm_on_epifuse(g.problem, g.cc_major, g.cc_minor)) {
+    cublas_product(g);  // takes the views as they are
+    return g.out;
   }
+  if (!gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
+    g = prepare_gemm(a, b.t(), prec, Epilogue::kAffine, op);  // unit column stride (copies)
+  }
+  run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
   return g.out;
 }
 

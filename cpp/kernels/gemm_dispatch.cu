@@ -301,25 +301,6 @@ bool gemm_splits_operands(const GemmProblem& p, Epilogue e, int cc_major, int cc
   return choose_plan(p, e, nullptr, cc_major, cc_minor) == Plan::kSm90Split3xTf32;
 }
 
-// EPIFUSE_BACKWARD_TF32=cublas keeps the TF32 backward GEMMs on cuBLAS (to measure both); read once.
-static bool tf32_backward_on_cublas() {
-  static const bool cublas = [] {
-    const char* v = std::getenv("EPIFUSE_BACKWARD_TF32");
-    return v != nullptr && std::strcmp(v, "cublas") == 0;
-  }();
-  return cublas;
-}
-
-bool backward_gemm_on_epifuse(const GemmProblem& p, int cc_major, int cc_minor) {
-  GemmProblem dense = p;  // as the copies into rows with unit column stride would be
-  dense.x_col_stride = dense.w_col_stride = 1;
-  dense.ldx = dense.ldw = p.K;
-  const Plan plan = choose_plan(p, Epilogue::kAffine, nullptr, cc_major, cc_minor);
-  if (plan == Plan::kSm90Split3xTf32) return true;
-  return choose_plan(dense, Epilogue::kAffine, nullptr, cc_major, cc_minor) == Plan::kSm90Tf32 &&
-         !tf32_backward_on_cublas();
-}
-
 size_t split_weight_floats(const GemmProblem& p) { return size_t(p.N) * size_t(split_tf32_ld(p.K)); }
 
 void split_weight(const GemmProblem& p, float* dst, cudaStream_t stream) {

@@ -665,16 +665,13 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   // which takes the transposed views as they are. Our TF32 kernel needs K-major operands: with the
   // copies that makes, problem 84's TF32 training step took 2.31 ms against 1.60 ms with cuBLAS's
   // TF32 backward GEMMs (H100).
-  const std::string prec(precision);
-  PreparedGemm g = prepare_gemm(a, b.t(), prec, Epilogue::kAffine, op, /*keep_views=*/true);
-  if (!backward_gemm_on_epifuse(g.problem, g.cc_major, g.cc_minor)) {
-    cublas_product(g);  // takes the views as they are
-    return g.out;
+  PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op,
+                                /*keep_views=*/true);
+  if (gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
+    run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
+  } else {
+    cublas_product(g);
   }
-  if (!gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
-    g = prepare_gemm(a, b.t(), prec, Epilogue::kAffine, op);  // unit column stride (copies)
-  }
-  run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
   return g.out;
 }
 

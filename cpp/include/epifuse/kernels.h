@@ -71,12 +71,6 @@ bool gemm_uses_host_sgemm(const GemmProblem& p, Epilogue e, int device_cc_major,
 // TF32 hi/lo parts (split_tf32_weight below makes p.w_split ahead of time).
 bool gemm_splits_operands(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
 
-// Whether a backward GEMM (dX = dZ . W, dW = dZ^T . X: its operands are transposed views) runs on
-// our kernels rather than cuBLAS: the Hopper 3xTF32 plan (its split reads any strides) and the
-// Hopper TF32 plan (after copying the operands into rows with unit column stride; TF32 wgmma reads
-// K-major operands only). 16-bit and IEEE products, and every pre-Hopper GPU, run cuBLAS.
-bool backward_gemm_on_epifuse(const GemmProblem& p, int device_cc_major, int device_cc_minor);
-
 // The weight of such a problem (p.w, p.N, p.K, p.ldw, p.w_col_stride) split into dst, which holds
 // split_weight_floats(p) floats; the caller may keep it as p.w_split while the weight is unchanged.
 size_t split_weight_floats(const GemmProblem& p);

@@ -94,6 +94,25 @@ def test_double_backward_is_refused(fused_on_cpu):
         gx.sum().backward()
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+def test_fused_path_reads_parametrized_and_reassigned_parameters(fused_on_cpu, spy):
+    """head._member reads the registries directly; a parametrization (a property, its tensor no
+    longer in _parameters) and a reassigned Parameter must still be what the fused path uses."""
+    ref, new = make_pair(84, init_args(84, IN, OUT))
+    for model in (ref, new):
+        torch.nn.utils.parametrize.register_parametrization(model.gemm, "weight", _Doubled())
+        model.bn.weight = torch.nn.Parameter(torch.full((OUT,), 0.5))
+    x = torch.rand(8, IN)
+    with torch.no_grad():
+        y_ref, y_new = ref(x), new(x)
+    assert spy[0] == "gemm_colstats"  # the fused path ran
+    assert rel_err(y_new, y_ref) < 1e-6
+
+
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
 def test_no_autograd_state_without_grad(context, fused_on_cpu):
     _, new = make_pair(84, init_args(84, IN, OUT))

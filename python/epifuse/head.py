@@ -76,11 +76,12 @@ def _device_reason(x: Tensor) -> Optional[str]:
 class _Parts(NamedTuple):
     """A head's submodules, parameters and buffers, each looked up once per forward.
 
-    An nn.Module attribute lookup (``module.gemm``, ``gemm.weight``) costs about
-    half a microsecond in ``nn.Module.__getattr__``; the checks and the fused
-    call used to repeat ~25 of them, a sizeable share of a small batch's
-    forward, which is host-bound. Plain attribute access still goes through
-    the modules, so parametrizations and reassigned parameters are honoured.
+    An nn.Module attribute lookup (``module.gemm``, ``gemm.weight``) costs
+    0.5-2 us in ``nn.Module.__getattr__``; the checks and the fused call used
+    to repeat ~25 of them, a sizeable share of a small batch's forward, which
+    is host-bound. ``_member`` reads the module's registries directly and falls
+    back to attribute access, so parametrizations and reassigned parameters
+    are honoured.
     """
 
     gemm: nn.Module
@@ -95,10 +96,27 @@ class _Parts(NamedTuple):
     num_batches_tracked: Optional[Tensor]
 
 
+_MISSING = object()
+
+
+def _member(module: nn.Module, registry: str, name: str):
+    """``getattr(module, name)`` for a submodule, parameter or buffer, without nn.Module.__getattr__.
+
+    Read straight from the module's ``_modules`` / ``_parameters`` / ``_buffers`` dict (~0.1 us
+    instead of ~2 us on the H100 machine's host; ten of them per forward). A name that is not there
+    (a parametrization's property, an attribute set some other way) takes the normal lookup.
+    """
+    value = module.__dict__[registry].get(name, _MISSING)
+    return getattr(module, name) if value is _MISSING else value
+
+
 def _parts(module: nn.Module) -> _Parts:
-    gemm, bn = module.gemm, module.bn
-    return _Parts(gemm, bn, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale,
-                  bn.running_mean, bn.running_var, bn.num_batches_tracked)
+    gemm, bn = _member(module, "_modules", "gemm"), _member(module, "_modules", "bn")
+    return _Parts(gemm, bn, _member(gemm, "_parameters", "weight"),
+                  _member(gemm, "_parameters", "bias"), _member(bn, "_parameters", "weight"),
+                  _member(bn, "_parameters", "bias"), _member(module, "_parameters", "scale"),
+                  _member(bn, "_buffers", "running_mean"), _member(bn, "_buffers", "running_var"),
+                  _member(bn, "_buffers", "num_batches_tracked"))
 
 
 def fast_path_reason(module: nn.Module, x: Tensor) -> Optional[str]:

@@ -4,7 +4,7 @@ With ``sync_batchnorm=True`` (or after ``convert_sync_batchnorm``) a head in
 training mode normalizes with the statistics of the union of all ranks'
 batches, as ``nn.SyncBatchNorm`` does:
 
-  fused:     epifuse::fused_head (fused_head.py) with the group's name: gemm_colstats
+  fused:     epifuse::fused_head (cpp/ops/fused_head.cpp) with the group's name: gemm_colstats
              -> local (count, mean, M2) of u -> all_gather -> merge -> fold
              -> affine[_softmax]; running-stat update (global count on device) by head.py
   reference: linear (-> scale) -> the same local moments -> all_gather -> merge
@@ -22,7 +22,7 @@ rows, the BatchNorm weight/bias gradients stay local (DDP averages them). Both
 paths all-reduce the same ``[N] + [N] + 1`` float64 row (``fold.normalized_grad_sums``):
 the sums of dyhat and dyhat·yhat, the gradient at BatchNorm's normalized value
 (nn.SyncBatchNorm's sums of dy and dy·(u - mean) up to per-column factors), and
-the row count; the fused backward (fused_head.py) forms it from its column
+the row count; the fused backward (fused_head_backward, via the synced_grad_sums hook) forms it from its column
 sums, the reference path (``_SyncedNormalize``) from its own.
 
 Every rank issues the same collectives in the same order whichever path it

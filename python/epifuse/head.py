@@ -9,7 +9,7 @@ epifuse ops:
   no autograd   train: gemm_colstats -> bn_fold_train (updates running stats) -> affine[_softmax]_
                 eval:  bn_fold_eval -> gemm_affine (-> in-place softmax)
                 (in place, nothing saved)
-  autograd or   the differentiable op epifuse::fused_head (fused_head.py: out of place, saves z
+  autograd or   the differentiable op epifuse::fused_head (cpp/ops/fused_head.cpp: out of place, saves z
   synchronized  for its fused backward), then the running-statistics update
   statistics
 

@@ -6,6 +6,10 @@ This module registers, for every op:
   * a CPU kernel computed with ``fold.py`` in float64, which makes the CPU
     path the executable spec of the CUDA kernels and lets opcheck run in CI.
 
+The head's two composite ops (``fused_head``, ``fused_head_backward``) are the exception: their
+CPU and CUDA kernels are one C++ composite over the ops above (``cpp/ops/fused_head.cpp``), their
+fake kernels are in ``fused_head.py``.
+
 Import it only after the library is loaded (``epifuse/__init__.py`` does).
 """
 

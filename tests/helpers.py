@@ -136,3 +136,30 @@ def assert_head_grads_close(number: int, training: bool, model: nn.Module, g_new
     for name, a, b in zip(names, g_new, g_ref, strict=True):
         err = ((a - b).norm() / g_weight.norm()).item() if name in vanishing else rel_err(a, b)
         assert err <= tol, (name, err)
+
+
+def assert_row_op_rejects_bad_arguments(op_name: str, device, own_cases) -> None:
+    """The argument errors of a row op (affine_softmax, affine_softmax_, affine_) on ``device``.
+
+    Every backend raises the common ones (3-D z, a of the wrong length, a without c); the
+    caller adds its backend's own as ``own_cases``: ``(make_args(z, a, c), pattern)`` pairs.
+    The in-place ops must leave z untouched on every failure.
+    """
+    import pytest
+
+    f = getattr(torch.ops.epifuse, op_name)
+    z = torch.rand(4, 3, device=device)
+    z0 = z.clone()
+
+    def vec(n):
+        return torch.rand(n, device=device) + 0.5
+
+    a, c = vec(3), vec(3)
+    cases = [((z[None], a, c), "2-D"), ((z, vec(4), c), r"\[3\]")]
+    if op_name != "affine_":
+        cases.append(((z, a, None), "both a and c"))
+    cases += [(make_args(z, a, c), pattern) for make_args, pattern in own_cases]
+    for args, pattern in cases:
+        with pytest.raises(RuntimeError, match=pattern):
+            f(*args)
+    assert torch.equal(z, z0)

@@ -180,6 +180,31 @@ def test_fused_head_refuses_double_backward():
         gx.sum().backward()
 
 
+def test_fused_head_ops_reject_bad_arguments():
+    args = list(_fused_head_sample(requires_grad=False))
+    bad = list(args)
+    bad[1] = torch.rand(4, 6)  # weight's K (6) differs from x's (5)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        torch.ops.epifuse.fused_head(*bad)
+    out, z, colsum, colsumsq, moments = torch.ops.epifuse.fused_head(*args)
+    x, w, bias, gamma, beta, scale = args[:6]
+    grad = torch.rand_like(out)
+
+    def backward(x_saved, w_saved, out_saved, needs):
+        return torch.ops.epifuse.fused_head_backward(
+            grad, x_saved, w_saved, bias, gamma, beta, scale, z, out_saved, colsum, colsumsq,
+            moments, "ieee", True, False, True, 1e-5, "", needs)
+
+    with pytest.raises(RuntimeError, match="softmax head needs out"):
+        backward(x, w, None, [True] * 6)
+    with pytest.raises(RuntimeError, match="dX needs weight"):
+        backward(x, None, out, [True, False, True, True, True, True])
+    with pytest.raises(RuntimeError, match="dW needs x"):
+        backward(None, w, out, [False, True, True, True, True, True])
+    grads = backward(None, w, out, [True, False, True, True, True, True])
+    assert grads[0].shape == x.shape and grads[1].numel() == 0  # dW not asked for: empty
+
+
 def test_fused_head_does_not_mutate_running_stats():
     args = _fused_head_sample()
     rm, rv = args[6].clone(), args[7].clone()

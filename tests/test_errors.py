@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from epifuse import head, ops
-from helpers import ORACLE_TOL, init_args, make_pair, rel_err
+from helpers import ORACLE_TOL, assert_row_op_rejects_bad_arguments, init_args, make_pair, rel_err
 
 CUDA = torch.device("cuda")
 IN, OUT = 24, 16
@@ -382,20 +382,7 @@ def test_bn_fold_eval_bad_arguments(healthy_cuda):
 @pytest.mark.hopper
 @pytest.mark.parametrize("op", ["affine_softmax", "affine_softmax_", "affine_"])
 def test_row_ops_bad_arguments(op, healthy_cuda):
-    f = getattr(torch.ops.epifuse, op)
-    z = torch.rand(4, 3, device=CUDA)
-    z0 = z.clone()
-    a, c = _vec(3), _vec(3)
-    with pytest.raises(RuntimeError, match="2-D"):
-        f(z[None], a, c)
-    with pytest.raises(RuntimeError, match=r"\[3\]"):
-        f(z, _vec(4), c)
-    with pytest.raises(RuntimeError, match="not implemented for 'Int'|Int"):
-        f(z.int(), a, c)
-    with pytest.raises(RuntimeError, match="CUDA|device"):
-        f(z, a.cpu(), c)
-    if op != "affine_":
-        with pytest.raises(RuntimeError, match="both a and c"):
-            f(z, a, None)
-    # The in-place ops must not have touched z on any of the failures above.
-    assert torch.equal(z, z0)
+    assert_row_op_rejects_bad_arguments(op, CUDA, [
+        (lambda z, a, c: (z.int(), a, c), "not implemented for 'Int'|Int"),
+        (lambda z, a, c: (z, a.cpu(), c), "CUDA|device"),
+    ])

@@ -44,15 +44,19 @@ def check_precision(precision: str, dtype: torch.dtype, op: str) -> None:
                          f"'tf32'")
 
 
+def _check_same_dtype(a: Tensor, b: Tensor) -> None:
+    if a.dtype != b.dtype:  # torch.mm's message
+        raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got "
+                           f"{type_name(a.dtype)} and {type_name(b.dtype)}")
+
+
 def check_gemm(x: Tensor, weight: Tensor, precision: str, op: str) -> None:
     if x.dim() != 2:
         raise RuntimeError(f"epifuse::{op}: expected x to be 2-D [M, K], got {x.dim()}-D")
     if weight.dim() != 2:
         raise RuntimeError(f"epifuse::{op}: expected weight to be 2-D [N, K], got "
                            f"{weight.dim()}-D")
-    if x.dtype != weight.dtype:
-        raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got "
-                           f"{type_name(x.dtype)} and {type_name(weight.dtype)}")
+    _check_same_dtype(x, weight)
     if x.shape[1] != weight.shape[1]:
         raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({x.shape[0]}x"
                            f"{x.shape[1]} and {weight.shape[1]}x{weight.shape[0]})")
@@ -64,9 +68,7 @@ def check_matmul(a: Tensor, b: Tensor, precision: str, op: str) -> None:
     """``a @ b`` (backward_matmul): the checks of its CUDA kernel, in its order."""
     if a.dim() != 2 or b.dim() != 2:
         raise RuntimeError(f"epifuse::{op}: expected 2-D a and b, got {a.dim()}-D and {b.dim()}-D")
-    if a.dtype != b.dtype:
-        raise RuntimeError(f"mat1 and mat2 must have the same dtype, but got "
-                           f"{type_name(a.dtype)} and {type_name(b.dtype)}")
+    _check_same_dtype(a, b)
     if a.shape[1] != b.shape[0]:
         raise RuntimeError(f"mat1 and mat2 shapes cannot be multiplied ({a.shape[0]}x{a.shape[1]} "
                            f"and {b.shape[0]}x{b.shape[1]})")

@@ -8,7 +8,8 @@ sizes per rank, one case with a one-row rank and one with an empty rank,
 two DDP-wrapped cases) for 3 SGD steps and compares outputs, running
 statistics, num_batches_tracked and the gradients of the input and of every
 parameter; then one eval-mode forward. fp32 with precision='ieee' (IEEE GEMMs
-on both sides) is held to tight bounds, 'tf32' to looser ones. Where the GPU
+on both sides) and PyTorch's default precision (ModelNew's 3xTF32 against the
+reference's fp32 GEMM) are held to tight bounds, 'tf32' and bf16 to looser ones. Where the GPU
 has epifuse's fused kernels the fused path must be taken (rows > 1);
 elsewhere the script checks the synchronized reference path and says so.
 
@@ -35,7 +36,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -43,25 +43,37 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]),  # tests/ (helpers)
                 str(Path(__file__).resolve().parents[2] / "python")]
 
 import epifuse  # noqa: E402
-from epifuse import distributed as ef_dist, head  # noqa: E402
+from epifuse import head  # noqa: E402
+from epifuse.bench.distributed import CpuSyncBatchNorm  # noqa: E402
 from checks import BUFFERS, PARAMS, Failures, vanishing_grads  # noqa: E402
 from helpers import init_args, make_pair  # noqa: E402
 
 IN, OUT, STEPS, LR = 512, 384, 3, 0.05
 # (outputs and running statistics, gradients) bounds on the relative Frobenius error.
-TOL = {"ieee": (5e-5, 2e-4), "tf32": (1e-2, 2e-2)}
+TOL = {"ieee": (5e-5, 2e-4), "default": (5e-5, 2e-4), "tf32": (1e-2, 2e-2),
+       "bf16": (3e-2, 6e-2)}
 
 
 @dataclass(frozen=True)
 class Case:
     number: int
-    precision: str
+    precision: str  # "ieee" | "tf32" | "default" (precision=None under 'highest': 3xTF32)
     sizes: tuple  # rows per rank (rank r uses sizes[r % len(sizes)])
     ddp: bool = False
     converter: str = "epifuse"  # "epifuse" | "kwarg" | "torch": how ModelNew is made synced
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def tolerance(self) -> tuple:
+        return TOL["bf16" if self.dtype == torch.bfloat16 else self.precision]
+
+    @property
+    def model_precision(self):
+        return None if self.precision == "default" else self.precision
 
     def __str__(self):
-        return (f"p{self.number} {self.precision} rows{self.sizes}"
+        dtype = "" if self.dtype == torch.float32 else f" {str(self.dtype)[6:]}"
+        return (f"p{self.number} {self.precision}{dtype} rows{self.sizes}"
                 f"{' ddp' if self.ddp else ''} via-{self.converter}")
 
 
@@ -75,6 +87,10 @@ CASES = [
     Case(39, "ieee", (64, 200), converter="torch"),  # nn.SyncBatchNorm.convert_sync_batchnorm
     Case(84, "ieee", (96, 160), ddp=True),
     Case(39, "tf32", (128, 80), ddp=True),
+    Case(84, "default", (96, 160)),
+    Case(39, "default", (128, 80), ddp=True),
+    Case(84, "default", (96, 160), dtype=torch.bfloat16),
+    Case(39, "default", (64, 200), ddp=True, dtype=torch.bfloat16),
 ]
 
 
@@ -82,21 +98,21 @@ def build(case: Case, device, rank):
     """(reference, epifuse) modules, identical parameters on every rank, on ``device``."""
     scale = (1,) if case.number == 84 else (OUT,)
     ref, new = make_pair(case.number, init_args(case.number, IN, OUT, scale), seed=5,
-                         precision=case.precision)
+                         precision=case.model_precision)
     ref = nn.SyncBatchNorm.convert_sync_batchnorm(ref)
     if device.type == "cpu":  # --smoke-cpu
-        ref.bn.__class__ = _SmokeSyncBatchNorm
+        ref.bn.__class__ = CpuSyncBatchNorm
     if case.converter == "epifuse":
         new = epifuse.convert_sync_batchnorm(new)
     elif case.converter == "torch":
         new = nn.SyncBatchNorm.convert_sync_batchnorm(new)
     else:  # the constructor keyword
-        synced = type(new)(*init_args(case.number, IN, OUT, scale), precision=case.precision,
-                           sync_batchnorm=True)
+        synced = type(new)(*init_args(case.number, IN, OUT, scale),
+                           precision=case.model_precision, sync_batchnorm=True)
         synced.load_state_dict(new.state_dict())
         new = synced
-    ref.to(device).train()
-    new.to(device).train()
+    ref.to(device, case.dtype).train()
+    new.to(device, case.dtype).train()
     if case.ddp:
         ids = [device.index] if device.type == "cuda" else None
         ref, new = DDP(ref, device_ids=ids), DDP(new, device_ids=ids)
@@ -104,8 +120,8 @@ def build(case: Case, device, rank):
 
 
 def run_case(case: Case, device, rank: int, world: int, failures: Failures) -> str:
-    torch.set_float32_matmul_precision("highest" if case.precision == "ieee" else "high")
-    tol_out, tol_grad = TOL[case.precision]
+    torch.set_float32_matmul_precision("high" if case.precision == "tf32" else "highest")
+    tol_out, tol_grad = case.tolerance
     ref, new = build(case, device, rank)
     ref_m, new_m = (ref.module, new.module) if case.ddp else (ref, new)
     gen = torch.Generator().manual_seed(17)
@@ -115,7 +131,7 @@ def run_case(case: Case, device, rank: int, world: int, failures: Failures) -> s
         rows = [case.sizes[r % len(case.sizes)] for r in range(world)]
         xs = [torch.rand(m, IN, generator=gen) for m in rows]  # every rank draws all batches
         ws = [torch.randn(m, OUT, generator=gen) for m in rows]
-        x0, w = xs[rank].to(device), ws[rank].to(device)
+        x0, w = xs[rank].to(device, case.dtype), ws[rank].to(device, case.dtype)
         reason = head.fast_path_reason(new_m, x0)
         paths.append("fused" if reason is None else f"reference ({reason})")
         results = []
@@ -154,6 +170,10 @@ def run_case(case: Case, device, rank: int, world: int, failures: Failures) -> s
             for name, p in ref_p.items():
                 if p.grad is not None:
                     p -= LR * p.grad
+            if case.dtype != torch.float32:
+                # 16-bit gradients differ by rounding at the percent level (the bound), which SGD
+                # turns into diverging trajectories: each step starts from the reference's state.
+                new_m.load_state_dict(ref_m.state_dict())
     # On a device with the fused kernels (or forced, --smoke-cpu) a batch of 2+ rows must use them.
     if head._device_reason(x0) is None and case.sizes[rank % len(case.sizes)] > 1 and \
             any(p != "fused" for p in paths):
@@ -162,25 +182,9 @@ def run_case(case: Case, device, rank: int, world: int, failures: Failures) -> s
     ref.eval()
     new.eval()
     with torch.no_grad():
-        x = xs[rank].to(device)
+        x = xs[rank].to(device, case.dtype)
         failures.expect(tag, "eval output", new(x), ref(x), tol_out)
     return paths[-1]
-
-
-class _SmokeSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """--smoke-cpu stand-in for nn.SyncBatchNorm (which has no CPU kernels): epifuse's synced BN.
-
-    Not a SyncBatchNorm subclass, so that DDP accepts it on CPU.
-    """
-
-    def forward(self, input):
-        group = self.process_group or dist.group.WORLD
-        if self.training and dist.is_initialized() and dist.get_world_size(group) > 1:
-            return ef_dist.synced_batch_norm(input, self.weight, self.bias, self.running_mean,
-                                             self.running_var, self.num_batches_tracked,
-                                             self.momentum, self.eps, group)
-        return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
-                            self.training, self.momentum or 0.0, self.eps)
 
 
 def main() -> int:

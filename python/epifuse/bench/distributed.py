@@ -1,0 +1,241 @@
+"""``python -m epifuse.bench.distributed``: data-parallel training steps on several GPUs.
+
+Times one training step (forward + backward, as in the single-GPU "train-step" mode) of
+ModelNew with synchronized batch statistics (``epifuse.convert_sync_batchnorm``) against the
+reference Model converted with ``nn.SyncBatchNorm.convert_sync_batchnorm``, both with and
+without ``DistributedDataParallel`` (with DDP the weight gradient's all-reduce is in the step,
+the same for both sides). Every rank holds the problem's KernelBench batch, so the global
+batch is ``--nproc`` times it. One process per GPU (NCCL), started by this module itself.
+
+Timing: a fixed number of warm-up and timed steps on every rank (each step runs collectives,
+so every rank must run the same count), CUDA events around each step on the current stream,
+inputs rotated so that consecutive steps do not find theirs in L2. A row reports the slowest
+rank's median. ``--device cpu`` is a dry run at tiny sizes (gloo; nn.SyncBatchNorm has no CPU
+kernels, so the reference's BatchNorm runs epifuse's pure-PyTorch synchronized BatchNorm):
+it tests this module's plumbing, its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import distributed as ef_dist, head
+from . import models, training
+from .configs import DTYPES, Shape, problem_shapes
+from .report import Table, fmt_ms, fmt_x
+from .timing import rotation_count
+
+DEFAULT_DTYPES = ("fp32-3xtf32", "fp32-tf32", "bf16")
+PROBLEMS = (84, 39)
+
+
+@dataclass
+class StepResult:
+    problem: int
+    shape: str  # per rank
+    dtype: str
+    ddp: bool
+    ours_ms: float  # slowest rank's median
+    reference_ms: float
+    path: str  # ModelNew's path on the slowest rank ("fused" or the reason it was not)
+    output_err: float  # ours vs the reference on the first step, relative Frobenius, max over ranks
+
+    @property
+    def speedup(self) -> float:
+        return self.reference_ms / self.ours_ms
+
+
+class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Dry-run stand-in for nn.SyncBatchNorm, which has no CPU kernels: epifuse's synced BN.
+
+    Not a SyncBatchNorm subclass, so that DDP accepts it on CPU.
+    """
+
+    def forward(self, input):
+        group = self.process_group or dist.group.WORLD
+        if self.training and dist.is_initialized() and dist.get_world_size(group) > 1:
+            return ef_dist.synced_batch_norm(input, self.weight, self.bias, self.running_mean,
+                                             self.running_var, self.num_batches_tracked,
+                                             self.momentum, self.eps, group)
+        return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
+                            self.training, self.momentum or 0.0, self.eps)
+
+
+def _pair(shape: Shape, spec, device: torch.device, ddp: bool) -> tuple[nn.Module, nn.Module]:
+    """(reference under nn.SyncBatchNorm, synced ModelNew), the same state, optionally in DDP."""
+    state = models.base_state(shape, device)
+    ref = models.build(shape, state, new=False, dtype=spec.dtype, device=device,
+                       mode="train-step")
+    new = models.build(shape, state, new=True, dtype=spec.dtype, device=device,
+                       mode="train-step", precision=spec.precision)
+    ref = nn.SyncBatchNorm.convert_sync_batchnorm(ref)
+    if device.type == "cpu":
+        ref.bn.__class__ = CpuSyncBatchNorm
+    new = ef_dist.convert_sync_batchnorm(new)
+    if ddp:
+        ids = [device.index] if device.type == "cuda" else None
+        ref, new = DDP(ref, device_ids=ids), DDP(new, device_ids=ids)
+    return ref, new
+
+
+def _time_steps(step, pairs, device: torch.device, warmup: int, iters: int) -> float:
+    """Median ms of ``iters`` steps after ``warmup``; the same counts on every rank."""
+    for i in range(warmup):
+        step(pairs[i % len(pairs)])
+    times = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iters)]
+        torch.cuda.synchronize(device)
+        for i, (start, end) in enumerate(events):
+            start.record()
+            step(pairs[i % len(pairs)])
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        import time
+        for i in range(iters):
+            t0 = time.perf_counter()
+            step(pairs[i % len(pairs)])
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _slowest(values: list[float], device: torch.device) -> list[float]:
+    """Elementwise max over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _run_config(shape: Shape, dtype: str, ddp: bool, device: torch.device, rank: int,
+                warmup: int, iters: int) -> StepResult:
+    spec = DTYPES[dtype]
+    with spec.torch_settings():
+        ref, new = _pair(shape, spec, device, ddp)
+        count = rotation_count(training.step_bytes(shape, spec.dtype.itemsize), device, cap=4)
+        pairs = training.make_step_inputs(shape, spec.dtype, device, count, seed=100 + rank)
+        x0 = pairs[0][0].detach()
+        with torch.no_grad():  # path and error check on a copy of the state: no stat update
+            reason = head.fast_path_reason(new.module if ddp else new, x0)
+        # First step of each on the same input: outputs compared (the step updates the
+        # running statistics of both alike).
+        outs = []
+        for model in (ref, new):
+            x = x0.clone().requires_grad_()
+            y = model(x)
+            y.backward(pairs[0][1])
+            outs.append(y.detach().double())
+        err = ((outs[1] - outs[0]).norm() / outs[0].norm().clamp_min(1e-300)).item()
+        times = [_time_steps(training.make_step(m, m), pairs, device, warmup, iters)
+                 for m in (new, ref)]
+    ours, reference, err = _slowest([*times, err], device)
+    return StepResult(shape.problem, str(shape), dtype, ddp, ours, reference,
+                      "fused" if reason is None else f"reference ({reason})", err)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    cpu = args.device == "cpu"
+    if cpu:
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast is not on every machine
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=args.nproc, timeout=datetime.timedelta(seconds=300),
+                            device_id=device if not cpu else None)
+    try:
+        results = []
+        for problem in args.problems:
+            shape = next(s for s in problem_shapes(problem, cpu) if s.tag == "kernelbench")
+            for dtype in args.dtypes:
+                for ddp in (False, True):
+                    r = _run_config(shape, dtype, ddp, device, rank, args.warmup, args.iters)
+                    results.append(r)
+                    if rank == 0:
+                        print(f"[bench.distributed] p{problem} {shape} {dtype}"
+                              f"{' ddp' if ddp else ''}: ours {r.ours_ms:.3f} ms, reference "
+                              f"{r.reference_ms:.3f} ms ({r.speedup:.2f}x), {r.path}", flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+        if rank == 0:
+            queue.put([asdict(r) for r in results])
+    finally:
+        dist.destroy_process_group()
+
+
+def table(results: list[StepResult], nproc: int, device_name: str) -> Table:
+    headers = ["problem (per rank)", "dtype", "DDP", "ours ms", "SyncBatchNorm ms", "speedup",
+               "output err vs SyncBN", "path"]
+    rows = [[f"{r.problem}: {r.shape}", r.dtype, "yes" if r.ddp else "no", fmt_ms(r.ours_ms),
+             fmt_ms(r.reference_ms), fmt_x(r.speedup), f"{r.output_err:.1e}", r.path]
+            for r in results]
+    return Table(f"Training step on {nproc} x {device_name}, synchronized batch statistics "
+                 f"(slowest rank's median)", headers, rows, left=3)
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m epifuse.bench.distributed",
+                                description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p.add_argument("--nproc", type=int, default=2, help="processes = GPUs (default 2)")
+    p.add_argument("--problems", type=int, nargs="+", choices=PROBLEMS, default=list(PROBLEMS))
+    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DEFAULT_DTYPES),
+                   help="dtype columns as in python -m epifuse.bench (default: "
+                        + " ".join(DEFAULT_DTYPES) + ")")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a dry run at tiny sizes that tests the plumbing")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
+    args = p.parse_args(argv)
+    if args.nproc < 2:
+        p.error("--nproc must be at least 2")
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be at least 1 and --warmup at least 0")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
+        print(f"python -m epifuse.bench.distributed: needs {args.nproc} CUDA GPUs, found "
+              f"{torch.cuda.device_count()} (--device cpu runs the dry run)", file=sys.stderr)
+        return 2
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(args, _free_port(), queue), nprocs=args.nproc,
+                       start_method="spawn")
+    results = [StepResult(**r) for r in queue.get()]
+    name = "CPU (dry run)" if args.device == "cpu" else torch.cuda.get_device_name(0)
+    t = table(results, args.nproc, name)
+    print(t.text())
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(f"{t.title}\n\n{t.markdown()}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -136,3 +136,29 @@ def test_two_ranks_match_concatenated_batch_oracle():
 
 def test_gpu_check_script_smoke_on_cpu():
     assert "[sync_bn_check] PASS" in _run("sync_bn_check.py", "--smoke-cpu")
+
+
+# --------------------------------------------------------------------------- 2-GPU benchmark
+
+def test_distributed_bench_dry_run_on_cpu(tmp_path):
+    """python -m epifuse.bench.distributed --device cpu: 2 gloo ranks, both models, a table."""
+    from epifuse.bench import distributed as bench_dist
+
+    md = tmp_path / "dist.md"
+    assert bench_dist.main(["--device", "cpu", "--problems", "39", "--dtypes", "fp32-tf32",
+                            "--warmup", "0", "--iters", "2", "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert "Training step on 2 x CPU (dry run)" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 39:")]
+    assert len(rows) == 2 and {"no", "yes"} == {r.split("|")[3].strip() for r in rows}
+
+
+def test_distributed_bench_rejects_bad_arguments(capsys):
+    from epifuse.bench import distributed as bench_dist
+
+    with pytest.raises(SystemExit):
+        bench_dist.main(["--nproc", "1"])
+    assert "--nproc must be at least 2" in capsys.readouterr().err
+    if torch.cuda.device_count() < 2:
+        assert bench_dist.main([]) == 2
+        assert "needs 2 CUDA GPUs" in capsys.readouterr().err

@@ -242,3 +242,38 @@ def test_backward_matmul_precision_ignores_global_flag():
     tf32 = ops.backward_matmul(a, b, "tf32")
     assert not torch.backends.cuda.matmul.allow_tf32
     assert rel_err(ieee, exact) < 1e-6 < rel_err(tf32, exact)
+
+
+def _copies_in(fn) -> int:
+    """How many K-major operand copies (transpose.cu's kernel launches) ran inside ``fn()``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if "transpose_tiles_kernel" in e.name)
+
+
+@pytest.mark.parametrize("case", ["dW", "dX", "small", "bf16"])
+def test_backward_matmul_k_major_copies(case):
+    """TF32 products with MN-major operands copy them K-major where that pays (gemm_dispatch.cu,
+    cublas_tf32_k_major_copies), with the same result as cuBLAS on the views."""
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    rows, n_out, n_in = (256, 384, 512) if case == "small" else (2304, 2048, 2048)
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    dz = torch.randn(rows, n_out, device=CUDA, generator=g).to(dtype)
+    x = torch.rand(rows, n_in, device=CUDA, generator=g).to(dtype)
+    w = torch.randn(n_out, n_in, device=CUDA, generator=g).to(dtype)
+    # dW = dz^T . x (both MN-major); dX = dz . W (W MN-major)
+    a, b = (dz, w) if case == "dX" else (dz.t(), x)
+    precision = "tf32" if dtype == torch.float32 else ""
+    expected_copies = {"dW": 2, "dX": 1, "small": 0, "bf16": 0}[case]
+    out = []
+    assert _copies_in(lambda: out.append(ops.backward_matmul(a, b, precision))) == expected_copies
+    exact = a.double() @ b.double()
+    bound = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    assert out[0].dtype == dtype and rel_err(out[0], exact) < bound
+    torch.backends.cuda.matmul.allow_tf32 = dtype == torch.float32
+    try:
+        views = a @ b  # cuBLAS on the views, as without the copies
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    assert rel_err(out[0], exact) <= 1.5 * rel_err(views, exact) + 1e-6

@@ -301,6 +301,40 @@ bool gemm_splits_operands(const GemmProblem& p, Epilogue e, int cc_major, int cc
   return choose_plan(p, e, nullptr, cc_major, cc_minor) == Plan::kSm90Split3xTf32;
 }
 
+// TF32 wgmma reads only K-major tiles, so cuBLAS runs an fp32 product with an MN-major operand on a
+// slower kernel (it transposes in shared memory). Measured on an H200, median of 4 steps, ms:
+//   dW = dZ^T . X, both MN-major:  problem 84 0.565 (243 TFLOP/s), 39 2.245 (245)
+//   dX = dZ . W, W MN-major:        problem 84 0.336 (409),          39 1.684 (326)
+//   eager's forward, K-major, the same flops:  problem 84 0.331,  39 1.466
+// A K-major copy of an operand reads and writes it once (8 bytes per element at ~3.3 TB/s on an
+// H100); it pays where that is under a quarter of the product at ~400 TFLOP/s: copying x [M, K]
+// costs 8MK bytes against 2MNK flops, i.e. when N >= ~1900 (w [N, K]: when M >= ~1900). That keeps
+// problem 84's dX (M = 1024: cuBLAS's MN-major kernel is fast there) and copies the rest.
+// The copy must be a tiled transpose (transpose.cu): Tensor::contiguous of the transposed views
+// gained nothing. TF32 training step on an H100, ms, copies off / contiguous() / transpose.cu:
+//   problem 84: 1.394 / 1.359 / 1.278;  problem 39: 6.078 / 6.129 / 5.445 (eager 1.58, 7.07).
+constexpr int64_t kKMajorCopyMinOther = 2048;
+
+// EPIFUSE_TF32_K_MAJOR_COPIES=0 turns the copies off (to measure them); read once.
+static bool k_major_copies_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("EPIFUSE_TF32_K_MAJOR_COPIES");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int cc_major, int cc_minor) {
+  KMajorCopies copies;
+  // 16-bit wgmma reads MN-major tiles as they are; sm80 is unmeasured.
+  const bool hopper_tf32 = p.dtype == DType::kFloat32 && p.math == MathMode::kTF32 &&
+                           cc_major == 9 && cc_minor == 0;
+  if (!hopper_tf32 || !k_major_copies_enabled()) return copies;
+  copies.x = p.x_col_stride != 1 && p.N >= kKMajorCopyMinOther;
+  copies.w = p.w_col_stride != 1 && p.M >= kKMajorCopyMinOther;
+  return copies;
+}
+
 size_t split_weight_floats(const GemmProblem& p) { return size_t(p.N) * size_t(split_tf32_ld(p.K)); }
 
 void split_weight(const GemmProblem& p, float* dst, cudaStream_t stream) {

@@ -12,9 +12,12 @@
 // (a block owning both a row band and all its columns would hold N fp64 partial pairs).
 //
 // Determinism: the row term is reduced by a fixed shuffle tree and warp order; each column's sums
-// by one block in a fixed order (as column_stats.cu); one-element scale gradients by one block's
-// fixed tree. No atomics.
+// by one block in a fixed order (as column_stats.cu); one-element scale gradients by fixed trees
+// over each column block, then over the blocks in block order (one atomic ticket only says which
+// block is last, not what is summed).
 #include <algorithm>
+#include <climits>
+#include <stdexcept>
 
 #include "cuda_utils.cuh"
 
@@ -205,9 +208,11 @@ void launch_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
 }
 
 // ---- per-column coefficients -----------------------------------------------------------------
-// One block: the per-column math is a few fp64 operations, and a one-element scale's gradient is
-// the sum over the columns, which one block reduces in a fixed order.
-constexpr int kCoefThreads = 512;
+// One thread per column (a few dozen fp64 operations, a division and a square root). A one-element
+// scale's gradient is the sum over the columns: each block sums its columns in a fixed order, and
+// the last block to finish sums the blocks' partials in block order, so the result does not depend
+// on which block finishes when. (One block for all columns took 13-24 us at N = 4096-8192, H200.)
+constexpr int kCoefThreads = 256;
 
 struct ColumnGrads {
   double A, B, C, bias, gamma, beta, pre, post;
@@ -237,15 +242,16 @@ __device__ ColumnGrads column_grads(const GradCoefficientProblem& p, int64_t n) 
   r.post = gamma * s2 + beta * s1;
   double sum_du, sum_du_zb;  // sum_m du, sum_m du * (z + bias) over this batch's rows
   if (p.training) {
-    // Batch terms from G1 = sum dyhat, G2 = sum dyhat * yhat over all ranks' rows (dyhat =
-    // gamma * post * dv); without synchronization, this batch's.
-    double g1 = gamma * post * s1, g2 = gamma * post * s2, rows_g = rows;
+    // Batch terms from G1 = sum dy, G2 = sum dy * yhat over all ranks' rows (dy = post * dv, the
+    // gradient at BatchNorm's output; without synchronization, this batch's), times this rank's
+    // gamma, as nn.SyncBatchNorm scales the all-reduced sums by the local weight.
+    double g1 = post * s1, g2 = post * s2, rows_g = rows;
     if (p.global_sums != nullptr) {
       g1 = p.global_sums[n];
       g2 = p.global_sums[N + n];
       rows_g = p.global_sums[2 * N];
     }
-    const double mean_g1 = g1 / rows_g, mean_g2 = g2 / rows_g;
+    const double mean_g1 = gamma * g1 / rows_g, mean_g2 = gamma * g2 / rows_g;
     r.B = -pre * invstd * alpha * mean_g2;
     r.C = -pre * invstd * (mean_g1 + delta * mean_g2);
     const double cs = p.colsum[n], css = p.colsumsq[n];
@@ -281,12 +287,14 @@ template <class P>
 __global__ void __launch_bounds__(kCoefThreads)
 head_grad_coefficients_kernel(GradCoefficientProblem p) {
   __shared__ double scratch[kCoefThreads];
+  __shared__ bool last_block;
   const FoldProblem& f = p.params;
   const int64_t N = f.N;
   const bool pre_sum = f.pre_scale != nullptr && f.pre_scale_numel == 1;
   const bool post_sum = f.post_scale != nullptr && f.post_scale_numel == 1;
-  double pre_total = 0.0, post_total = 0.0;
-  for (int64_t n = threadIdx.x; n < N; n += kCoefThreads) {
+  const int64_t n = int64_t(blockIdx.x) * kCoefThreads + threadIdx.x;
+  double pre_part = 0.0, post_part = 0.0;
+  if (n < N) {
     const ColumnGrads r = column_grads<P>(p, n);
     p.coef[n] = float(r.A);
     p.coef[N + n] = float(r.B);
@@ -295,23 +303,38 @@ head_grad_coefficients_kernel(GradCoefficientProblem p) {
     store_param(static_cast<P*>(p.grad_gamma), n, r.gamma);
     store_param(static_cast<P*>(p.grad_beta), n, r.beta);
     if (pre_sum) {
-      pre_total += r.pre;
+      pre_part = r.pre;
     } else if (p.grad_pre != nullptr) {
       store_param(static_cast<P*>(p.grad_pre), n, r.pre);
     }
     if (post_sum) {
-      post_total += r.post;
+      post_part = r.post;
     } else if (p.grad_post != nullptr) {
       store_param(static_cast<P*>(p.grad_post), n, r.post);
     }
   }
-  if (pre_sum) {
-    const double total = block_sum(pre_total, scratch);
-    if (threadIdx.x == 0) store_param(static_cast<P*>(p.grad_pre), 0, total);
+  if (!pre_sum && !post_sum) return;  // uniform: no scale to sum over the columns
+  pre_part = block_sum(pre_part, scratch);
+  post_part = block_sum(post_part, scratch);
+  if (threadIdx.x == 0) {
+    p.scale_partials[2 * blockIdx.x] = pre_part;
+    p.scale_partials[2 * blockIdx.x + 1] = post_part;
+    __threadfence();  // the partials are visible before the ticket says so
+    last_block = atomicAdd(p.blocks_done, 1u) == gridDim.x - 1;
   }
-  if (post_sum) {
-    const double total = block_sum(post_total, scratch);
-    if (threadIdx.x == 0) store_param(static_cast<P*>(p.grad_post), 0, total);
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  double pre_total = 0.0, post_total = 0.0;
+  for (int64_t b = threadIdx.x; b < gridDim.x; b += kCoefThreads) {  // fixed order
+    pre_total += __ldcg(p.scale_partials + 2 * b);
+    post_total += __ldcg(p.scale_partials + 2 * b + 1);
+  }
+  pre_total = block_sum(pre_total, scratch);
+  post_total = block_sum(post_total, scratch);
+  if (threadIdx.x == 0) {
+    if (pre_sum) store_param(static_cast<P*>(p.grad_pre), 0, pre_total);
+    if (post_sum) store_param(static_cast<P*>(p.grad_post), 0, post_total);
   }
 }
 
@@ -404,10 +427,26 @@ void head_grad_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
   check_launch("head_grad_sums");
 }
 
-void head_grad_coefficients(const GradCoefficientProblem& p, cudaStream_t stream) {
+size_t head_grad_coefficients_scratch_bytes(const FoldProblem& f) {
+  const bool scalar_scale = (f.pre_scale != nullptr && f.pre_scale_numel == 1) ||
+                            (f.post_scale != nullptr && f.post_scale_numel == 1);
+  if (!scalar_scale || f.N == 0) return 0;
+  const int64_t blocks = (f.N + kCoefThreads - 1) / kCoefThreads;
+  return size_t(blocks) * 2 * sizeof(double) + sizeof(double);  // partials, then the ticket
+}
+
+void head_grad_coefficients(const GradCoefficientProblem& p, void* scratch, cudaStream_t stream) {
   if (p.params.N == 0) return;
+  const int64_t blocks = (p.params.N + kCoefThreads - 1) / kCoefThreads;
+  if (blocks > INT_MAX) throw std::runtime_error("head_grad_coefficients: too many columns");
+  GradCoefficientProblem q = p;
+  if (head_grad_coefficients_scratch_bytes(p.params) > 0) {
+    if (scratch == nullptr) throw std::runtime_error("head_grad_coefficients: scratch is null");
+    q.scale_partials = static_cast<double*>(scratch);
+    q.blocks_done = reinterpret_cast<unsigned*>(q.scale_partials + 2 * blocks);
+  }
   dispatch_dtype(p.params.param_dtype, [&](auto tag) {
-    head_grad_coefficients_kernel<decltype(tag)><<<1, kCoefThreads, 0, stream>>>(p);
+    head_grad_coefficients_kernel<decltype(tag)><<<unsigned(blocks), kCoefThreads, 0, stream>>>(q);
   });
   check_launch("head_grad_coefficients");
 }

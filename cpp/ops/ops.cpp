@@ -625,7 +625,10 @@ head_grad_coefficients_cuda(const at::Tensor& sums, const std::optional<at::Tens
   p.grad_beta = g_beta.data_ptr();
   p.grad_pre = data_or_null(pre_scale, g_pre);
   p.grad_post = data_or_null(post_scale, g_post);
-  head_grad_coefficients(p, current_stream());
+  const size_t scratch_bytes = head_grad_coefficients_scratch_bytes(p.params);
+  at::Tensor scratch;
+  if (scratch_bytes > 0) scratch = at::zeros({int64_t(scratch_bytes)}, gamma.options().dtype(at::kByte));
+  head_grad_coefficients(p, scratch_bytes > 0 ? scratch.data_ptr() : nullptr, current_stream());
   return {coef, g_bias, g_gamma, g_beta, g_pre, g_post};
 }
 
@@ -648,6 +651,17 @@ at::Tensor head_grad_z_cuda(const at::Tensor& grad, const std::optional<at::Tens
   return dz;
 }
 
+// A row-major copy of a 2-D operand [R, C] (K-major for a GEMM operand of rows x K): our tiled
+// transpose for column-major views (the transposed views of the backward), Tensor::contiguous
+// for anything else.
+at::Tensor k_major_copy(const at::Tensor& v) {
+  if (v.stride(0) != 1 || v.size(0) == 0 || v.size(1) == 0) return v.contiguous();
+  at::Tensor out = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
+  transpose(v.data_ptr(), v.stride(1), out.data_ptr(), v.size(1), v.size(0), v.size(1),
+            to_dtype(v, "backward_matmul"), current_stream());
+  return out;
+}
+
 at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                                 c10::string_view precision) {
   const char* op = "backward_matmul";
@@ -662,16 +676,20 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                 "x", a.size(1), " and ", b.size(0), "x", b.size(1), ")");
   // a . b = a . (b^T)^T: the GEMM of the forward with b^T as its weight, a view (no copy).
   // Only the Hopper 3xTF32 plan runs here (its split reads any strides); everything else is cuBLAS,
-  // which takes the transposed views as they are. Our TF32 kernel needs K-major operands: with the
-  // copies that makes, problem 84's TF32 training step took 2.31 ms against 1.60 ms with cuBLAS's
-  // TF32 backward GEMMs (H100).
+  // which takes the transposed views as they are, except that in TF32 the dispatcher may ask for
+  // K-major copies of MN-major operands (cublas_tf32_k_major_copies says when and what it measured).
+  // Our own TF32 kernel needs K-major operands too: with those copies, problem 84's TF32 training
+  // step took 2.31 ms against 1.60 ms with cuBLAS's TF32 backward GEMMs (H100).
   PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op,
                                 /*keep_views=*/true);
   if (gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
     run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
-  } else {
-    cublas_product(g);
+    return g.out;
   }
+  const KMajorCopies copies = cublas_tf32_k_major_copies(g.problem, g.cc_major, g.cc_minor);
+  if (copies.x) g.x = k_major_copy(g.x);
+  if (copies.w) g.w = k_major_copy(g.w);
+  cublas_product(g);
   return g.out;
 }
 

@@ -20,9 +20,9 @@ identical running statistics.
 Backward is nn.SyncBatchNorm's: the input gradient uses sums over all ranks'
 rows, the BatchNorm weight/bias gradients stay local (DDP averages them). Both
 paths all-reduce the same ``[N] + [N] + 1`` float64 row (``fold.normalized_grad_sums``):
-the sums of dyhat and dyhat·yhat, the gradient at BatchNorm's normalized value
-(nn.SyncBatchNorm's sums of dy and dy·(u - mean) up to per-column factors), and
-the row count; the fused backward (fused_head_backward, via the synced_grad_sums hook) forms it from its column
+the sums of dy and dy·yhat, dy the gradient at BatchNorm's output (nn.SyncBatchNorm's
+sums of dy and dy·(u - mean), the latter times invstd), and the row count; each rank
+then scales the batch terms by its own BatchNorm weight, as nn.SyncBatchNorm does; the fused backward (fused_head_backward, via the synced_grad_sums hook) forms it from its column
 sums, the reference path (``_SyncedNormalize``) from its own.
 
 Every rank issues the same collectives in the same order whichever path it
@@ -241,15 +241,18 @@ class _SyncedNormalize(torch.autograd.Function):
             grad_bias = dy.sum(0).to(ctx.bias_dtype)
         if need_u:
             # Every rank reaches this point together: same graph, same needs_input_grad. The row
-            # is fold.normalized_grad_sums' layout, which ranks on the fused path send.
-            dyhat = dy if weight is None else dy * weight.to(cd)
-            total = torch.cat([dyhat.sum(0).to(_F64), (dyhat * xhat).sum(0).to(_F64),
-                               dyhat.new_full((1,), float(u.shape[0]), dtype=_F64)])
+            # is fold.normalized_grad_sums' layout, which ranks on the fused path send: sums of
+            # dy, then this rank's weight applied (nn.SyncBatchNorm's batch_norm_backward_elemt).
+            total = torch.cat([dy.sum(0).to(_F64), (dy * xhat).sum(0).to(_F64),
+                               dy.new_full((1,), float(u.shape[0]), dtype=_F64)])
             dist.all_reduce(total, dist.ReduceOp.SUM, group=ctx.group)
             rows = total[2 * n_features].to(cd)
             mean_g1 = total[:n_features].to(cd) / rows
             mean_g2 = total[n_features:2 * n_features].to(cd) / rows
-            grad_u = ((dyhat - mean_g1 - xhat * mean_g2) * inv).to(u.dtype)
+            grad_u = (dy - mean_g1 - xhat * mean_g2) * inv
+            if weight is not None:
+                grad_u = grad_u * weight.to(cd)
+            grad_u = grad_u.to(u.dtype)
         return grad_u, grad_weight, grad_bias, None, None, None, None
 
 

@@ -170,9 +170,11 @@ def update_running_stats(running_mean: Tensor, running_var: Tensor, num_batches_
 # and z in two passes only (the sums, then dz).
 # With synchronized batch statistics the batch terms of du use sums over all ranks' rows, the
 # parameter gradients this rank's rows only (DDP averages them), as nn.SyncBatchNorm does. The
-# ranks all-reduce ``normalized_grad_sums``: G1 = sum dyhat and G2 = sum dyhat * yhat of the
-# gradient at the normalized value, dyhat = gamma * post * dv (what a rank on the reference path
-# can form as well), so that du = invstd * (dyhat - G1 / M - yhat * G2 / M).
+# ranks all-reduce ``normalized_grad_sums``: G1 = sum dy and G2 = sum dy * yhat of the gradient at
+# BatchNorm's output, dy = post * dv (nn.SyncBatchNorm's sum_dy and sum_dy_xmu * invstd, what a
+# rank on the reference path forms as well), so that du = gamma * invstd * (dy - G1 / M - yhat *
+# G2 / M) with this rank's gamma, as nn.SyncBatchNorm computes it (which matters when the ranks'
+# parameters differ, e.g. without DDP).
 
 
 def moments_vector(mean: Tensor, var: Tensor, count: Union[int, float, Tensor]) -> Tensor:
@@ -232,15 +234,14 @@ def _columns(sums: Tensor, moments: Tensor, bias: Optional[Tensor], gamma: Tenso
 def normalized_grad_sums(sums: Tensor, moments: Tensor, bias: Optional[Tensor], gamma: Tensor,
                          pre_scale: Optional[Tensor], post_scale: Optional[Tensor],
                          eps: float) -> Tensor:
-    """``[G1(N), G2(N), M]``: this batch's sums of dyhat and dyhat * yhat (dyhat = gamma * post * dv).
+    """``[G1(N), G2(N), M]``: this batch's sums of dy and dy * yhat (dy = post * dv).
 
-    What synchronized ranks all-reduce: the batch terms of du are ``G1 / M`` and ``G2 / M`` over
-    the rows of all ranks.
+    What synchronized ranks all-reduce: the batch terms of du are ``gamma * G1 / M`` and
+    ``gamma * G2 / M`` over the rows of all ranks.
     """
-    s1, _, rows, s2, _, g, _, post, *_ = _columns(sums, moments, bias, gamma, pre_scale,
+    s1, _, rows, s2, _, _, _, post, *_ = _columns(sums, moments, bias, gamma, pre_scale,
                                                   post_scale, eps)
-    gp = g * post
-    return torch.cat([gp * s1, gp * s2, rows.reshape(1)])
+    return torch.cat([post * s1, post * s2, rows.reshape(1)])
 
 
 def grad_coefficients(sums: Tensor, global_sums: Optional[Tensor], colsum: Optional[Tensor],
@@ -265,11 +266,11 @@ def grad_coefficients(sums: Tensor, global_sums: Optional[Tensor], colsum: Optio
     a_coef = pre * k
     if training:
         if global_sums is None:
-            g1, g2, rows_g = g * post * s1, g * post * s2, rows
+            g1, g2, rows_g = post * s1, post * s2, rows
         else:
             gs = global_sums.to(device=gamma.device, dtype=_F64)
             g1, g2, rows_g = gs[:n], gs[n:2 * n], gs[2 * n]
-        mean_g1, mean_g2 = g1 / rows_g, g2 / rows_g
+        mean_g1, mean_g2 = g * g1 / rows_g, g * g2 / rows_g
         b_coef = -pre * invstd * alpha * mean_g2
         c_coef = -pre * invstd * (mean_g1 + delta * mean_g2)
         cs, css = colsum.to(gamma.device, _F64), colsumsq.to(gamma.device, _F64)

@@ -3,12 +3,16 @@
     torchrun --standalone --nproc_per_node=2 tests/distributed/oracle_check.py [--device cpu|cuda]
 
 Every rank draws all ranks' inputs from the same seed, so each can compute the
-float64 oracle by itself: one nn.BatchNorm over the concatenation of the ranks'
+float64 oracle by itself: one BatchNorm over the concatenation of the ranks'
 batches, with a copy of every parameter per rank block, so that the gradient
 of block r's copy is what nn.SyncBatchNorm gives rank r (local parameter
-gradients, input gradients of the global loss). Checks outputs, input and
-parameter gradients, running statistics and num_batches_tracked over 3 steps
-with unequal, one-row and empty per-rank batches, on both paths:
+gradients, input gradients from the sums over all ranks). The normalization's
+backward is written out as nn.SyncBatchNorm's (sums of dy over all rows, then
+each rank's own weight), which is the gradient of the summed loss only while
+the ranks' parameters agree; two cases give each rank different parameters.
+Checks outputs, input and parameter gradients, running statistics and
+num_batches_tracked over 3 steps with unequal, one-row and empty per-rank
+batches, on both paths:
 
   reference  float64 input: the pure-PyTorch synced BatchNorm
   fused      float32 input: gemm_colstats -> merge -> fold (on CPU through the
@@ -40,19 +44,59 @@ from checks import BUFFERS, PARAMS, Failures, vanishing_grads  # noqa: E402
 from helpers import init_args, make_pair  # noqa: E402
 
 IN, OUT, STEPS = 24, 16, 3
-# (problem, scale_shape, per-rank batch sizes, momentum)
+# (problem, scale_shape, per-rank batch sizes, momentum, distinct per-rank parameters)
 CASES = [
-    (84, (1,), (7, 12), 0.1),
-    (39, (OUT,), (7, 12), 0.1),
-    (84, (OUT,), (1, 9), None),  # rank 0 has one row: reference path beside a fused rank
-    (39, (1,), (0, 10), 0.1),  # rank 0 is empty: it still joins every collective
+    (84, (1,), (7, 12), 0.1, False),
+    (39, (OUT,), (7, 12), 0.1, False),
+    (84, (OUT,), (1, 9), None, False),  # rank 0 has one row: reference path beside a fused rank
+    (39, (1,), (0, 10), 0.1, False),  # rank 0 is empty: it still joins every collective
+    # Ranks whose parameters differ (training without DDP): nn.SyncBatchNorm scales the
+    # all-reduced sums of dy by each rank's own weight, which is not the gradient of the
+    # summed loss; the oracle follows nn.SyncBatchNorm.
+    (84, (1,), (7, 12), 0.1, True),
+    (39, (OUT,), (9, 5), 0.1, True),
 ]
 TOL = {"reference": 1e-10, "fused": 2e-5}
 
 
+def rank_params(base, rank, distinct):
+    """Rank ``rank``'s parameters: ``base``, or (distinct) a rank-dependent variation of it."""
+    if not distinct:
+        return dict(base)
+    f = 1.0 + 0.25 * rank
+    varied = {"gemm.weight": base["gemm.weight"] * (1.0 + 0.05 * rank),
+              "bn.weight": base["bn.weight"] * f, "bn.bias": base["bn.bias"] + 0.1 * rank,
+              "scale": base["scale"] * (2.0 - f / 2)}
+    # Rounded to float32, as the model holding them is built in it.
+    return {**base, **{k: v.float().double() for k, v in varied.items()}}
+
+
+class _SyncBatchNormAffine(torch.autograd.Function):
+    """``gamma_rows * (u - mean) * invstd`` over the concatenated batch; backward as
+    nn.SyncBatchNorm's: the input gradient from the sums of dy over every rank's rows, scaled by
+    each row's own (its rank's) gamma."""
+
+    @staticmethod
+    def forward(ctx, u, gamma_rows, eps):
+        mean, var = u.mean(0), u.var(0, unbiased=False)
+        invstd = torch.rsqrt(var + eps)
+        xhat = (u - mean) * invstd
+        ctx.save_for_backward(xhat, invstd, gamma_rows)
+        return xhat * gamma_rows
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, invstd, gamma_rows = ctx.saved_tensors
+        grad_u = gamma_rows * invstd * (dy - dy.mean(0) - xhat * (dy * xhat).mean(0))
+        return grad_u, dy * xhat, None
+
+
 def oracle_step(number, params, buffers, xs, ws, eps, momentum):
-    """Float64 outputs, gradients (per rank block) and updated buffers of one training step."""
-    leaves = [{k: v.clone().requires_grad_() for k, v in params.items()} for _ in xs]
+    """Float64 outputs, gradients (per rank block) and updated buffers of one training step.
+
+    ``params``: one parameter dict per rank.
+    """
+    leaves = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in params]
     xs = [x.detach().clone().requires_grad_() for x in xs]
     us = []
     for x, p in zip(xs, leaves):
@@ -60,12 +104,15 @@ def oracle_step(number, params, buffers, xs, ws, eps, momentum):
         us.append(u * p["scale"] if number == 39 else u)
     nbt = buffers["bn.num_batches_tracked"]
     factor = momentum if momentum is not None else 1.0 / float(nbt + 1)
-    xhat = F.batch_norm(torch.cat(us), buffers["bn.running_mean"], buffers["bn.running_var"],
-                        None, None, True, factor, eps)  # updates the running stats in place
+    u = torch.cat(us)
+    F.batch_norm(u.detach(), buffers["bn.running_mean"], buffers["bn.running_var"], None, None,
+                 True, factor, eps)  # updates the running stats in place
     buffers["bn.num_batches_tracked"] = nbt + 1
+    gamma_rows = torch.cat([p["bn.weight"].expand(x.shape[0], -1) for x, p in zip(xs, leaves)])
+    scaled = _SyncBatchNormAffine.apply(u, gamma_rows, eps)
     outs, loss = [], 0.0
-    for block, p, w in zip(xhat.split([x.shape[0] for x in xs]), leaves, ws):
-        y = block * p["bn.weight"] + p["bn.bias"]
+    for block, p, w in zip(scaled.split([x.shape[0] for x in xs]), leaves, ws):
+        y = block + p["bn.bias"]
         if number == 84:
             y = torch.softmax(p["scale"] * y, dim=1)
         outs.append(y)
@@ -75,14 +122,20 @@ def oracle_step(number, params, buffers, xs, ws, eps, momentum):
     return [y.detach() for y in outs], grads
 
 
-def check_case(number, scale, sizes, momentum, path, device, rank, failures):
+def check_case(number, scale, sizes, momentum, distinct, path, device, rank, failures):
     dtype = torch.float64 if path == "reference" else torch.float32
-    tag = f"p{number} scale{scale} sizes{sizes} mom{momentum} {path}"
+    tag = (f"p{number} scale{scale} sizes{sizes} mom{momentum}"
+           f"{' distinct-params' if distinct else ''} {path}")
     ref, new = make_pair(number, init_args(number, IN, OUT, scale, momentum=momentum), seed=3)
+    state = {k: v.detach().double().clone() for k, v in ref.state_dict().items()}
+    base = {k: state[k] for k in PARAMS}
+    all_params = [rank_params(base, r, distinct) for r in range(len(sizes))]
+    params = all_params[rank]
+    with torch.no_grad():
+        for name, value in params.items():
+            new.get_parameter(name).copy_(value)
     epifuse.convert_sync_batchnorm(new)
     new.to(device=device, dtype=dtype).train()
-    state = {k: v.detach().double().clone() for k, v in ref.state_dict().items()}
-    params = {k: state[k] for k in PARAMS}
     buffers = {k: state[k] for k in (*BUFFERS, "bn.num_batches_tracked")}
     gen = torch.Generator().manual_seed(11)
 
@@ -100,7 +153,7 @@ def check_case(number, scale, sizes, momentum, path, device, rank, failures):
         new.zero_grad(set_to_none=True)
         y = new(x)
         (y.double() * ws[rank].to(device)).sum().backward()
-        outs, grads = oracle_step(number, params, buffers, [t.double() for t in xs], ws,
+        outs, grads = oracle_step(number, all_params, buffers, [t.double() for t in xs], ws,
                                   new.bn.eps, momentum)
         expect(f"step {step} output", y, outs[rank])
         expect(f"step {step} grad x", x.grad, grads[rank]["x"])

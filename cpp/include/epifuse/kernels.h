@@ -71,6 +71,19 @@ bool gemm_uses_host_sgemm(const GemmProblem& p, Epilogue e, int device_cc_major,
 // TF32 hi/lo parts (split_tf32_weight below makes p.w_split ahead of time).
 bool gemm_splits_operands(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
 
+// For a product the op layer runs on cuBLAS in TF32 (the backward's dX = dZ . W, dW = dZ^T . X):
+// which of x, w (strided views, x_col_stride / w_col_stride != 1 where MN-major) to copy K-major
+// first, because the copy costs less than the slower kernel cuBLAS takes for that layout.
+struct KMajorCopies {
+  bool x = false, w = false;
+};
+KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int device_cc_major, int device_cc_minor);
+
+// dst [rows, cols] (row stride ld_dst) = src^T, src [cols, rows] (row stride ld_src): dst[r, c] =
+// src[c, r]. E.g. a row-major copy of a column-major view (a K-major copy of an MN-major operand).
+void transpose(const void* src, int64_t ld_src, void* dst, int64_t ld_dst, int64_t rows,
+               int64_t cols, DType dtype, cudaStream_t stream);
+
 // The weight of such a problem (p.w, p.N, p.K, p.ldw, p.w_col_stride) split into dst, which holds
 // split_weight_floats(p) floats; the caller may keep it as p.w_split while the weight is unchanged.
 size_t split_weight_floats(const GemmProblem& p);
@@ -171,8 +184,15 @@ struct GradCoefficientProblem {
   void* grad_beta = nullptr;            // out [N]
   void* grad_pre = nullptr;             // out, numel pre_scale_numel (null when pre_scale is)
   void* grad_post = nullptr;            // out, numel post_scale_numel (null when post_scale is)
+  // Set by head_grad_coefficients from its scratch (a one-element scale's sum over the columns).
+  double* scale_partials = nullptr;
+  unsigned* blocks_done = nullptr;
 };
-void head_grad_coefficients(const GradCoefficientProblem& p, cudaStream_t stream);
+// Zeroed device scratch the launch needs (0: none): a one-element scale's gradient is summed over
+// the column blocks through it.
+size_t head_grad_coefficients_scratch_bytes(const FoldProblem& params);
+void head_grad_coefficients(const GradCoefficientProblem& p, void* zeroed_scratch,
+                            cudaStream_t stream);
 
 // dz[m, n] = A[n] * dv + B[n] * z + C[n] in z's dtype (row stride ld_dz), coef = [A; B; C].
 void head_grad_z(const GradOperands& o, const float* coef, void* dz, int64_t ld_dz,

@@ -655,7 +655,8 @@ at::Tensor head_grad_z_cuda(const at::Tensor& grad, const std::optional<at::Tens
 // transpose for column-major views (the transposed views of the backward), Tensor::contiguous
 // for anything else.
 at::Tensor k_major_copy(const at::Tensor& v) {
-  if (v.stride(0) != 1 || v.size(0) == 0 || v.size(1) == 0) return v.contiguous();
+  const bool column_major = v.stride(0) == 1 && v.stride(1) >= v.size(0);
+  if (!column_major || v.size(0) == 0 || v.size(1) == 0) return v.contiguous();
   at::Tensor out = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   transpose(v.data_ptr(), v.stride(1), out.data_ptr(), v.size(1), v.size(0), v.size(1),
             to_dtype(v, "backward_matmul"), current_stream());
@@ -678,8 +679,8 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   // Only the Hopper 3xTF32 plan runs here (its split reads any strides); everything else is cuBLAS,
   // which takes the transposed views as they are, except that in TF32 the dispatcher may ask for
   // K-major copies of MN-major operands (cublas_tf32_k_major_copies says when and what it measured).
-  // Our own TF32 kernel needs K-major operands too: with those copies, problem 84's TF32 training
-  // step took 2.31 ms against 1.60 ms with cuBLAS's TF32 backward GEMMs (H100).
+  // Our own TF32 kernel needs K-major operands too: with such copies (then Tensor::contiguous),
+  // problem 84's TF32 training step took 2.31 ms against 1.60 ms with cuBLAS's (H100).
   PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op,
                                 /*keep_views=*/true);
   if (gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {

@@ -22,8 +22,9 @@ rows, the BatchNorm weight/bias gradients stay local (DDP averages them). Both
 paths all-reduce the same ``[N] + [N] + 1`` float64 row (``fold.normalized_grad_sums``):
 the sums of dy and dy·yhat, dy the gradient at BatchNorm's output (nn.SyncBatchNorm's
 sums of dy and dy·(u - mean), the latter times invstd), and the row count; each rank
-then scales the batch terms by its own BatchNorm weight, as nn.SyncBatchNorm does; the fused backward (fused_head_backward, via the synced_grad_sums hook) forms it from its column
-sums, the reference path (``_SyncedNormalize``) from its own.
+then scales the batch terms by its own BatchNorm weight, as nn.SyncBatchNorm does.
+The fused backward (fused_head_backward, via the synced_grad_sums hook) forms the row
+from its column sums, the reference path (``_SyncedNormalize``) from its own.
 
 Every rank issues the same collectives in the same order whichever path it
 takes (one all_gather in the forward, one all_reduce in the backward), so a

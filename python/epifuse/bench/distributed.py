@@ -131,8 +131,7 @@ def _run_config(shape: Shape, dtype: str, ddp: bool, device: torch.device, rank:
         count = rotation_count(training.step_bytes(shape, spec.dtype.itemsize), device, cap=4)
         pairs = training.make_step_inputs(shape, spec.dtype, device, count, seed=100 + rank)
         x0 = pairs[0][0].detach()
-        with torch.no_grad():  # path and error check on a copy of the state: no stat update
-            reason = head.fast_path_reason(new.module if ddp else new, x0)
+        reason = head.fast_path_reason(new.module if ddp else new, x0)  # None: fused
         # First step of each on the same input: outputs compared (the step updates the
         # running statistics of both alike).
         outs = []

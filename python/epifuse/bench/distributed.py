@@ -21,7 +21,6 @@ import argparse
 import datetime
 import os
 import socket
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -37,7 +36,7 @@ from .. import distributed as ef_dist, head
 from . import models, training
 from .configs import DTYPES, Shape, problem_shapes
 from .report import Table, fmt_ms, fmt_x
-from .timing import rotation_count
+from .timing import TimingSettings, measure, rotation_count
 
 DEFAULT_DTYPES = ("fp32-3xtf32", "fp32-tf32", "bf16")
 PROBLEMS = (84, 39)
@@ -93,27 +92,11 @@ def _pair(shape: Shape, spec, device: torch.device, ddp: bool) -> tuple[nn.Modul
 
 
 def _time_steps(step, pairs, device: torch.device, warmup: int, iters: int) -> float:
-    """Median ms of ``iters`` steps after ``warmup``; the same counts on every rank."""
-    for i in range(warmup):
-        step(pairs[i % len(pairs)])
-    times = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(iters)]
-        torch.cuda.synchronize(device)
-        for i, (start, end) in enumerate(events):
-            start.record()
-            step(pairs[i % len(pairs)])
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in events]
-    else:
-        import time
-        for i in range(iters):
-            t0 = time.perf_counter()
-            step(pairs[i % len(pairs)])
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    """Median ms of ``iters`` steps after ``warmup`` (timing.measure with its time cap lifted:
+    every step runs collectives, so every rank must run the same count)."""
+    settings = TimingSettings(warmup=warmup, iters=iters, max_seconds=float(1 << 40),
+                              min_iters=iters)
+    return measure(step, pairs, device, settings).median_ms
 
 
 def _slowest(values: list[float], device: torch.device) -> list[float]:

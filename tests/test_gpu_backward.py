@@ -71,7 +71,7 @@ def test_gradients_no_worse_than_eager(number, kind, mode):
 
 
 @pytest.mark.parametrize("softmax", [True, False], ids=["softmax", "plain"])
-@pytest.mark.parametrize("shape", [(64, 96), (33, 65), (1000, 4097)], ids=str)
+@pytest.mark.parametrize("shape", [(64, 96), (33, 65), (1000, 4097), (2048, 1024)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_kernels_match_fold(dtype, shape, softmax):
     m, n = shape

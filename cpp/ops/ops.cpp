@@ -627,7 +627,7 @@ head_grad_coefficients_cuda(const at::Tensor& sums, const std::optional<at::Tens
   p.grad_post = data_or_null(post_scale, g_post);
   const size_t scratch_bytes = head_grad_coefficients_scratch_bytes(p.params);
   at::Tensor scratch;
-  if (scratch_bytes > 0) scratch = at::zeros({int64_t(scratch_bytes)}, gamma.options().dtype(at::kByte));
+  if (scratch_bytes > 0) scratch = at::empty({int64_t(scratch_bytes)}, gamma.options().dtype(at::kByte));
   head_grad_coefficients(p, scratch_bytes > 0 ? scratch.data_ptr() : nullptr, current_stream());
   return {coef, g_bias, g_gamma, g_beta, g_pre, g_post};
 }

@@ -188,11 +188,10 @@ struct GradCoefficientProblem {
   double* scale_partials = nullptr;
   unsigned* blocks_done = nullptr;
 };
-// Zeroed device scratch the launch needs (0: none): a one-element scale's gradient is summed over
-// the column blocks through it.
+// Device scratch the launch needs (0: none): a one-element scale's gradient is summed over the
+// column blocks through it. It need not be zeroed: the launch clears the block counter in it first.
 size_t head_grad_coefficients_scratch_bytes(const FoldProblem& params);
-void head_grad_coefficients(const GradCoefficientProblem& p, void* zeroed_scratch,
-                            cudaStream_t stream);
+void head_grad_coefficients(const GradCoefficientProblem& p, void* scratch, cudaStream_t stream);
 
 // dz[m, n] = A[n] * dv + B[n] * z + C[n] in z's dtype (row stride ld_dz), coef = [A; B; C].
 void head_grad_z(const GradOperands& o, const float* coef, void* dz, int64_t ld_dz,

@@ -117,6 +117,33 @@ def test_sums_are_deterministic():
         assert torch.equal(ops.head_grad_sums(grad, None, None, z), first)
 
 
+def test_scalar_scale_gradient_on_reused_scratch():
+    """A one-element scale's gradient is summed over the column blocks through a scratch counter.
+
+    The scratch comes from the caching allocator uninitialized, and back-to-back calls get the
+    same block (holding the last call's count): every call must clear the counter itself, or the
+    last block is never recognised and the scale's gradient is left unwritten.
+    """
+    g = torch.Generator(device=CUDA).manual_seed(4)
+    m, n = 64, 1000  # four column blocks
+    z = torch.randn(m, n, device=CUDA, generator=g)
+    grad = torch.randn(m, n, device=CUDA, generator=g)
+    gamma, beta, bias = (torch.rand(n, device=CUDA) + 0.5, torch.randn(n, device=CUDA),
+                         torch.randn(n, device=CUDA))
+    colsum, colsumsq = fold.column_stats(z)
+    sums = ops.head_grad_sums(grad, None, None, z)
+    _, _, moments = ops.bn_fold_batch(colsum, colsumsq, m, bias, gamma, beta, None, None, 1e-5)
+    for step in range(4):
+        post = torch.full((1,), 0.5 + step, device=CUDA)
+        got = ops.head_grad_coefficients(sums, None, colsum, colsumsq, moments, bias, gamma,
+                                         beta, None, post, True, 1e-5)
+        ref = fold.grad_coefficients(sums, None, colsum, colsumsq, moments, bias, gamma, beta,
+                                     None, post, True, 1e-5)
+        expected = ref.post.sum().reshape(1)
+        torch.testing.assert_close(got[5].double(), expected, rtol=1e-5,
+                                   atol=1e-6 * ref.post.abs().sum().item())
+
+
 def _fused_head_sample(training=True, softmax=True, scale_before_bn=False):
     g = torch.Generator(device=CUDA).manual_seed(3)
 

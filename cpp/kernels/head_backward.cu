@@ -124,13 +124,33 @@ void launch_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream) {
 }
 
 // ---- column sums ---------------------------------------------------------------------------------
-// column_stats.cu's layout: a block owns a band of 32 columns and strides over every row, 16-byte
-// vectors (kVec elements) per thread and row, kRowsInFlight rows loaded before the first use; lanes
-// holding the same columns add by shuffles, the warps through shared memory in warp order.
+// A block owns a band of 32 columns and strides over every row, 16-byte vectors (kVec elements) per
+// thread and row; lanes holding the same columns add by shuffles, the warps through shared memory in
+// warp order. Each thread loads kRowsInFlight rows (kept packed) before the first use, sums their dv
+// and dv * z in fp32, then adds those two partials to its fp64 sums: one fp32 -> fp64 conversion per
+// element and sum every kRowsInFlight rows instead of every row. Converting every element (and
+// spilling at 1024 threads, which ptxas caps at 64 registers) held problem 39's sums (bf16,
+// 16384 x 4096) at 108.5 us, 2.47 TB/s; this layout runs them in 96.1 us, 2.79 TB/s, and problem
+// 84's (softmax, 1024 x 8192) in 22.3 us against 25.0 (H100, each kernel alone on inputs that miss L2).
+// The fp32 partials cover kRowsInFlight terms: their rounding (2^-24 relative per add) is far below
+// the fp32 accumulation over all rows that PyTorch's BatchNorm backward does.
 constexpr int kCols = 32;
-constexpr int kRowsInFlight = 4;
 
-template <class T, int kVec, bool kSoftmax, int kThreads>
+// A row's kVec elements as loaded: one 16-byte vector, or one element when kVec == 1.
+template <class T, int kVec>
+struct RowVec {
+  Vec16<T> v;
+  __device__ __forceinline__ void load(const T* p) { v = *reinterpret_cast<const Vec16<T>*>(p); }
+  __device__ __forceinline__ float operator[](int j) const { return to_float(v.v[j]); }
+};
+template <class T>
+struct RowVec<T, 1> {
+  T v;
+  __device__ __forceinline__ void load(const T* p) { v = *p; }
+  __device__ __forceinline__ float operator[](int) const { return to_float(v); }
+};
+
+template <class T, int kVec, bool kSoftmax, int kThreads, int kRowsInFlight>
 __global__ void __launch_bounds__(kThreads)
 head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
   constexpr int kLanesPerRow = kCols / kVec;
@@ -145,27 +165,48 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
   const int64_t col0 = int64_t(blockIdx.x) * kCols;
   const int64_t col = col0 + int64_t(sub) * kVec;
   double s1[kVec] = {}, s3[kVec] = {};
-  auto add = [&](const float (&dv)[kVec], const float (&z)[kVec]) {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      s1[e] += dv[e];
-      s3[e] = fma(double(dv[e]), double(z[e]), s3[e]);  // exact product of two fp32 values
-    }
-  };
   if (col < o.N) {
+    const T* g = static_cast<const T*>(o.g) + col;
+    const T* z = static_cast<const T*>(o.z) + col;
+    const T* out = kSoftmax ? static_cast<const T*>(o.out) + col : nullptr;
     int64_t row = group;
     for (; row + (kRowsInFlight - 1) * kRowGroups < o.M; row += kRowsInFlight * kRowGroups) {
-      float dv[kRowsInFlight][kVec], z[kRowsInFlight][kVec];
+      RowVec<T, kVec> gv[kRowsInFlight], zv[kRowsInFlight], ov[kSoftmax ? kRowsInFlight : 1];
+      float r[kSoftmax ? kRowsInFlight : 1];
 #pragma unroll
-      for (int r = 0; r < kRowsInFlight; ++r)
-        load_dv_z<T, kVec, kSoftmax>(o, row + r * kRowGroups, col, dv[r], z[r]);
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        const int64_t m = row + i * kRowGroups;
+        gv[i].load(g + m * o.ld_g);
+        zv[i].load(z + m * o.ld_z);
+        if constexpr (kSoftmax) {
+          ov[i].load(out + m * o.ld_out);
+          r[i] = __ldg(o.rowdot + m);
+        }
+      }
+      float p1[kVec] = {}, p3[kVec] = {};
 #pragma unroll
-      for (int r = 0; r < kRowsInFlight; ++r) add(dv[r], z[r]);
+      for (int i = 0; i < kRowsInFlight; ++i)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          float dv = gv[i][e];
+          if constexpr (kSoftmax) dv = ov[i][e] * (dv - r[i]);
+          p1[e] += dv;
+          p3[e] = fmaf(dv, zv[i][e], p3[e]);
+        }
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        s1[e] += double(p1[e]);
+        s3[e] += double(p3[e]);
+      }
     }
     for (; row < o.M; row += kRowGroups) {
-      float dv[kVec], z[kVec];
-      load_dv_z<T, kVec, kSoftmax>(o, row, col, dv, z);
-      add(dv, z);
+      float dv[kVec], zf[kVec];
+      load_dv_z<T, kVec, kSoftmax>(o, row, col, dv, zf);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        s1[e] += dv[e];
+        s3[e] = fma(double(dv[e]), double(zf[e]), s3[e]);  // exact product of two fp32 values
+      }
     }
   }
 #pragma unroll
@@ -199,11 +240,14 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
 template <class T, int kVec, bool kSoftmax>
 void launch_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
   const unsigned blocks = unsigned((o.N + kCols - 1) / kCols);
-  // column_stats.cu's rule: 1024 threads while the bands fit one per SM, 512 (two per SM) beyond.
+  // ~100 registers a thread: one 512-thread block or two 256-thread blocks fit an SM. Bands that fit
+  // one per SM get 512 threads (problem 39: 128 bands, 96.1 us against 112.0 with 256); more bands
+  // get 256 threads, two per SM, so that up to twice the SMs' bands run in one wave (problem 84:
+  // 256 bands, 22.3 us against 23.8 with 512). Either way 2048 row vectors per block in flight.
   if (blocks > unsigned(sm_count(current_device()))) {
-    head_grad_sums_kernel<T, kVec, kSoftmax, 512><<<blocks, 512, 0, stream>>>(o, sums);
+    head_grad_sums_kernel<T, kVec, kSoftmax, 256, 8><<<blocks, 256, 0, stream>>>(o, sums);
   } else {
-    head_grad_sums_kernel<T, kVec, kSoftmax, 1024><<<blocks, 1024, 0, stream>>>(o, sums);
+    head_grad_sums_kernel<T, kVec, kSoftmax, 512, 4><<<blocks, 512, 0, stream>>>(o, sums);
   }
 }
 

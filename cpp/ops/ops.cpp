@@ -579,7 +579,8 @@ at::Tensor head_grad_sums_cuda(const at::Tensor& grad, const std::optional<at::T
 
 // A parameter's gradient: its dtype and shape; an absent parameter gets an empty float32 tensor.
 at::Tensor param_grad(const std::optional<at::Tensor>& param, const at::Tensor& gamma) {
-  return param ? at::empty_like(*param, at::MemoryFormat::Contiguous)
+  // at::empty rather than at::empty_like: one dispatcher call fewer per gradient (host time).
+  return param ? at::empty(param->sizes(), param->options())
                : at::empty({0}, gamma.options().dtype(at::kFloat));
 }
 
@@ -618,7 +619,8 @@ head_grad_coefficients_cuda(const at::Tensor& sums, const std::optional<at::Tens
   at::Tensor coef = at::empty({3, N}, gamma.options().dtype(at::kFloat));
   at::Tensor g_bias = param_grad(bias, gamma), g_pre = param_grad(pre_scale, gamma);
   at::Tensor g_post = param_grad(post_scale, gamma);
-  at::Tensor g_gamma = at::empty_like(gamma), g_beta = at::empty_like(beta);
+  at::Tensor g_gamma = at::empty(gamma.sizes(), gamma.options());
+  at::Tensor g_beta = at::empty(beta.sizes(), beta.options());
   p.coef = coef.data_ptr<float>();
   p.grad_bias = data_or_null(bias, g_bias);
   p.grad_gamma = g_gamma.data_ptr();

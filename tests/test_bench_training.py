@@ -110,3 +110,29 @@ def test_host_time_keeps_the_gpu_busy_and_flags_a_synchronizing_call():
     assert queued.gpu_kept_busy is True and queued.median_us < 1000
     waits = hosttime.measure_host(lambda: torch.mm(x, w.t()).sum().item(), cuda, settings)
     assert waits.gpu_kept_busy is False
+
+
+def test_measure_rounds_interleaves_and_isolates_a_failure():
+    """Every implementation runs its share of calls in each round, in turn; one that raises
+    reports its exception and the others still get their timings."""
+    from epifuse.bench.timing import Timing, TimingSettings, measure_rounds
+
+    calls = []
+
+    def impl(name, fail_after=None):
+        def fn(x):
+            if fail_after is not None and calls.count(name) >= fail_after:
+                raise RuntimeError(f"{name} broke")
+            calls.append(name)
+        return fn
+
+    settings = TimingSettings(warmup=1, iters=6, max_seconds=10.0, min_iters=1)
+    fns = {"a": impl("a"), "b": impl("b"), "c": impl("c", fail_after=4)}
+    r = measure_rounds(fns, [0, 1], CPU, settings, rounds=3)
+    assert list(r) == ["a", "b", "c"]
+    assert isinstance(r["a"], Timing) and r["a"].iters == 6 and r["b"].iters == 6
+    assert isinstance(r["c"], RuntimeError) and "c broke" in str(r["c"])
+    # first call + warm-up per implementation, then rounds of two calls each, interleaved
+    assert calls[:6] == ["a", "a", "b", "b", "c", "c"]
+    assert calls[6:14] == ["a", "a", "b", "b", "c", "c", "a", "a"]
+    assert calls[14:] == ["b", "b", "a", "a", "b", "b"]

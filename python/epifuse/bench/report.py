@@ -384,7 +384,7 @@ def legend(env: dict, results: Sequence[CaseResult], host: Sequence[HostResult] 
     impls += ("; compile = torch.compile(Model), default mode" if compiled
               else "; torch.compile not timed (--no-compile)")
     text = (f"{impls}. Times: median of {timer_name(env)} timings after warm-up, inputs "
-            "rotated. TFLOP/s = 2*M*N*K / time. 'vs KB ref' = eager fp32 with TF32 off (the "
+            "rotated; the implementations of a row are timed in 3 interleaved rounds. TFLOP/s = 2*M*N*K / time. 'vs KB ref' = eager fp32 with TF32 off (the "
             "KernelBench reference) / ours. err = ||out - ref64|| / ||ref64|| and max "
             "|out - ref64| against a float64 forward of the same (rounded) parameters and input.")
     if any(r.case.mode == TRAIN_STEP for r in results):
@@ -421,7 +421,9 @@ def markdown_report(env: dict, settings: dict, results, softmax, copy,
         "with autograd, see below); each time is the median of "
         f"{settings.get('iters')} (or fewer for slow calls, at least {settings.get('min_iters')}) "
         f"{timer_name(env)} timings after {settings.get('warmup')} warm-up calls, cycling several "
-        "distinct inputs so that the activations do not stay in L2. fp32 rows: `fp32-ieee` = TF32 "
+        "distinct inputs so that the activations do not stay in L2; ours, eager and compile take "
+        "turns in 3 rounds of a third of the calls each, so that a slow spell of the machine "
+        "falls on all of them. fp32 rows: `fp32-ieee` = TF32 "
         "off "
         "(`torch.set_float32_matmul_precision('highest')`, `ModelNew(precision='ieee')`), "
         "`fp32-3xtf32` = ours in 3xTF32 (`precision='3xtf32'`) against PyTorch in IEEE fp32, "

@@ -7,6 +7,8 @@ Implementations of a configuration:
 On the KernelBench shapes also (forward modes only):
   gemm     our GEMM op alone (gemm_colstats in train, gemm_affine in eval)
   torch_mm torch.mm(x, W.T) under the same matmul policy (cuBLAS on CUDA)
+ours, eager and compile are timed in interleaved rounds (timing.measure_rounds), so that a slow
+spell of the machine falls on all three alike.
 The "train" and "eval" modes time forwards under torch.no_grad(); "train-step" times a
 training-mode forward plus its backward (see training.py) and checks the gradients of the
 input and of the Linear weight instead of the output.
@@ -14,6 +16,7 @@ input and of the Linear weight instead of the output.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import traceback
@@ -29,7 +32,7 @@ from epifuse.precision import resolve_precision
 from . import models, training
 from .accuracy import ErrorStats, error_stats
 from .configs import DTYPES, KB_REFERENCE, TRAIN_STEP, Case, Shape
-from .timing import Timing, TimingSettings, measure, rotation_count
+from .timing import Timing, TimingSettings, measure, measure_rounds, rotation_count
 
 IMPLS = ("ours", "eager", "compile")
 
@@ -128,10 +131,7 @@ def _attempt(result: CaseResult, impl: str, fn: Callable[[], Timing], device: to
     try:
         result.timings[impl] = fn()
     except Exception as e:  # noqa: BLE001 -- any failure becomes a table entry
-        result.failures[impl] = describe(e)
-        log(f"  {result.case.label}: {impl} failed: {describe(e)}")
-        if verbose:
-            log(traceback.format_exc())
+        _failed(result, impl, e, log, verbose)
     finally:
         free_memory(device)
 
@@ -193,9 +193,10 @@ def _forward_errors(case: Case, state: dict, device: torch.device):
     return errors
 
 
-def _time_model(case: Case, state: dict, inputs: list, device: torch.device,
-                settings: TimingSettings, *, new: bool, compiled: bool = False,
-                spec=None) -> Timing:
+def _callable(case: Case, state: dict, device: torch.device, *, new: bool,
+              compiled: bool = False, spec=None) -> Callable:
+    """What one timed call runs: a forward of the model (or of its torch.compile wrapper), or a
+    training step of it."""
     spec = spec or case.spec
     model = models.build(case.shape, state, new=new, dtype=spec.dtype, device=device,
                          mode=case.mode, precision=spec.precision if new else None)
@@ -203,16 +204,55 @@ def _time_model(case: Case, state: dict, inputs: list, device: torch.device,
     if compiled:
         torch._dynamo.reset()  # a fresh cache: no recompile limit, no stale matmul policy
         fn = torch.compile(model)
+    return training.make_step(model, fn) if case.mode == TRAIN_STEP else fn
+
+
+def _timing_scope(case: Case, spec=None):
+    """The matmul policy of the case's dtype column; autograd off for the forward modes."""
+    spec = spec or case.spec
+    stack = contextlib.ExitStack()
+    stack.enter_context(spec.torch_settings())
+    if case.mode != TRAIN_STEP:
+        stack.enter_context(torch.no_grad())
+    return stack
+
+
+def _time_impls(case: Case, state: dict, inputs: list, device: torch.device,
+                settings: TimingSettings, result: CaseResult, log: Callable[[str], None],
+                verbose: bool) -> None:
+    """ours, eager and (if planned) compile, timed in interleaved rounds (timing.measure_rounds)."""
+    fns: dict[str, Callable] = {}
+    for impl in IMPLS:
+        if impl == "compile" and not case.compile:
+            result.failures["compile"] = case.compile_note or "not run"
+            continue
+        try:
+            fns[impl] = _callable(case, state, device, new=impl == "ours",
+                                  compiled=impl == "compile")
+        except Exception as e:  # noqa: BLE001 -- any failure becomes a table entry
+            _failed(result, impl, e, log, verbose)
     try:
-        with spec.torch_settings():
-            if case.mode == TRAIN_STEP:  # autograd on: forward + backward per call
-                return measure(training.make_step(model, fn), inputs, device, settings)
-            with torch.no_grad():
-                return measure(fn, inputs, device, settings)
-    finally:
-        del fn, model
-        if compiled:
-            torch._dynamo.reset()
+        with _timing_scope(case):
+            timings = measure_rounds(fns, inputs, device, settings)
+    except Exception as e:  # noqa: BLE001 -- e.g. out of memory in the first calls
+        timings = {impl: e for impl in fns}
+    for impl, t in timings.items():
+        if isinstance(t, Exception):
+            _failed(result, impl, t, log, verbose)
+        else:
+            result.timings[impl] = t
+    del fns, timings
+    if case.compile:
+        torch._dynamo.reset()
+    free_memory(device)
+
+
+def _failed(result: CaseResult, impl: str, e: BaseException, log: Callable[[str], None],
+            verbose: bool) -> None:
+    result.failures[impl] = describe(e)
+    log(f"  {result.case.label}: {impl} failed: {describe(e)}")
+    if verbose:
+        log("".join(traceback.format_exception(e)))
 
 
 def _time_kb_reference(case: Case, state: dict, device: torch.device,
@@ -221,7 +261,9 @@ def _time_kb_reference(case: Case, state: dict, device: torch.device,
     spec = DTYPES[KB_REFERENCE]
     inputs = _timing_inputs(case, spec.dtype, device, seed=models.SEED + 200)
     try:
-        return _time_model(case, state, inputs, device, settings, new=False, spec=spec)
+        fn = _callable(case, state, device, new=False, spec=spec)
+        with _timing_scope(case, spec):
+            return measure(fn, inputs, device, settings)
     finally:
         del inputs
 
@@ -289,19 +331,7 @@ def run_case(case: Case, state: dict, device: torch.device, settings: TimingSett
         result.wall_s = time.perf_counter() - t0
         return result
 
-    _attempt(result, "ours",
-             lambda: _time_model(case, state, inputs, device, settings, new=True),
-             device, log, verbose)
-    _attempt(result, "eager",
-             lambda: _time_model(case, state, inputs, device, settings, new=False),
-             device, log, verbose)
-    if case.compile:
-        _attempt(result, "compile",
-                 lambda: _time_model(case, state, inputs, device, settings, new=False,
-                                     compiled=True),
-                 device, log, verbose)
-    else:
-        result.failures["compile"] = case.compile_note or "not run"
+    _time_impls(case, state, inputs, device, settings, result, log, verbose)
     if case.gemm_alone:
         _time_gemm(case, state, inputs, device, settings, result, log, verbose)
     inputs.clear()  # the closures above hold the list; empty it to free the tensors

@@ -136,3 +136,22 @@ def test_measure_rounds_interleaves_and_isolates_a_failure():
     assert calls[:6] == ["a", "a", "b", "b", "c", "c"]
     assert calls[6:14] == ["a", "a", "b", "b", "c", "c", "a", "a"]
     assert calls[14:] == ["b", "b", "a", "a", "b", "b"]
+
+
+def test_host_point_is_measured_again_while_the_gpu_went_idle(monkeypatch):
+    """An idle GPU invalidates a host-time measurement: it is repeated, at most 3 times in all."""
+    results = iter([False, False, True, True])
+    seen = []
+
+    def fake(fn, device, settings):
+        seen.append(1)
+        return hosttime.HostTiming(median_us=1.0, min_us=1.0, mean_us=1.0, calls=1,
+                                   gpu_kept_busy=next(results))
+
+    monkeypatch.setattr(hosttime, "measure_host", fake)
+    assert hosttime.measure_host_checked(lambda: None, CPU).gpu_kept_busy is True
+    assert len(seen) == 3
+    seen.clear()
+    results = iter([False] * 5)
+    assert hosttime.measure_host_checked(lambda: None, CPU).gpu_kept_busy is False
+    assert len(seen) == 3

@@ -220,8 +220,8 @@ def host_rows(results: Sequence[HostResult], notes: Notes) -> list[list[str]]:
             return "-"  # the CPU dry run: no GPU to keep busy
         if all(flags):
             return "yes"
-        return "no " + notes.ref("the GPU went idle during the calls: the host time may include "
-                                 "waiting for the GPU")
+        return "no " + notes.ref("the GPU went idle during the calls in each of 3 attempts: the "
+                                 "host time may include waiting for the GPU")
 
     for r in results:
         p, s = r.point, r.point.shape

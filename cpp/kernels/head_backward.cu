@@ -24,17 +24,28 @@
 namespace epifuse {
 namespace {
 
+// A row's kVec elements as loaded: one 16-byte vector, or one element when kVec == 1.
+template <class T, int kVec>
+struct RowVec {
+  Vec16<T> v;
+  __device__ __forceinline__ void load(const T* p) { v = *reinterpret_cast<const Vec16<T>*>(p); }
+  __device__ __forceinline__ float operator[](int j) const { return to_float(v.v[j]); }
+};
+template <class T>
+struct RowVec<T, 1> {
+  T v;
+  __device__ __forceinline__ void load(const T* p) { v = *p; }
+  __device__ __forceinline__ float operator[](int) const { return to_float(v); }
+};
+
 // Loads kVec consecutive elements (one 16-byte vector, or one element when kVec == 1) as fp32.
 template <class T, int kVec>
 __device__ __forceinline__ void load_floats(const T* p, float (&v)[kVec]) {
-  if constexpr (kVec > 1) {
-    static_assert(kVec == Vec16<T>::kSize, "vector loads are 16 bytes");
-    const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(p);
+  static_assert(kVec == 1 || kVec == Vec16<T>::kSize, "vector loads are 16 bytes");
+  RowVec<T, kVec> r;
+  r.load(p);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) v[j] = to_float(x.v[j]);
-  } else {
-    v[0] = to_float(*p);
-  }
+  for (int j = 0; j < kVec; ++j) v[j] = r[j];
 }
 
 // dv (the gradient at the softmax's input, or g itself) and z at (row, col .. col + kVec).
@@ -135,20 +146,6 @@ void launch_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream) {
 // The fp32 partials cover kRowsInFlight terms: their rounding (2^-24 relative per add) is far below
 // the fp32 accumulation over all rows that PyTorch's BatchNorm backward does.
 constexpr int kCols = 32;
-
-// A row's kVec elements as loaded: one 16-byte vector, or one element when kVec == 1.
-template <class T, int kVec>
-struct RowVec {
-  Vec16<T> v;
-  __device__ __forceinline__ void load(const T* p) { v = *reinterpret_cast<const Vec16<T>*>(p); }
-  __device__ __forceinline__ float operator[](int j) const { return to_float(v.v[j]); }
-};
-template <class T>
-struct RowVec<T, 1> {
-  T v;
-  __device__ __forceinline__ void load(const T* p) { v = *p; }
-  __device__ __forceinline__ float operator[](int) const { return to_float(v); }
-};
 
 template <class T, int kVec, bool kSoftmax, int kThreads, int kRowsInFlight>
 __global__ void __launch_bounds__(kThreads)

@@ -159,7 +159,7 @@ def fold_ops() -> None:
                 nbt = torch.tensor(2, device=dev)
                 rm64, rv64, nbt64 = rm.double().cpu(), rv.double().cpu(), nbt.cpu().clone()
                 a, c = ops.bn_fold_train(colsum, colsumsq, 37, bias, gamma, beta, pre, post,
-                                         rm, rv, nbt, momentum, 1e-5)
+                                         rm, rv, nbt, momentum=momentum, eps=1e-5)
                 f = fold.fold_train(colsum.cpu(), colsumsq.cpu(), 37, _cpu(bias), _cpu(gamma),
                                     _cpu(beta), _cpu(pre), _cpu(post), 1e-5)
                 fold.update_running_stats(rm64, rv64, nbt64, f.mean, f.var, 37, momentum)
@@ -169,7 +169,7 @@ def fold_ops() -> None:
                 sync_check(f"bn_fold_train running_var {dtype_id} N{n}", rv, rv64, tol)
                 if nbt.item() != 3:
                     failures.append(f"bn_fold_train num_batches_tracked {nbt.item()} != 3")
-                a, c = ops.bn_fold_eval(bias, gamma, beta, pre, post, rm, rv, 1e-5)
+                a, c = ops.bn_fold_eval(bias, gamma, beta, pre, post, rm, rv, eps=1e-5)
                 f = fold.fold_eval(_cpu(bias), _cpu(gamma), _cpu(beta), _cpu(pre), _cpu(post),
                                    _cpu(rm), _cpu(rv), 1e-5)
                 sync_check(f"bn_fold_eval a {dtype_id} N{n}", a, f.a, tol)

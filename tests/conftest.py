@@ -76,9 +76,9 @@ def op_calls(monkeypatch):
                  "affine_softmax", "affine_softmax_", "affine_", "affine"):
         real = getattr(ops, name)
 
-        def wrapper(*args, _real=real, _name=name):
+        def wrapper(*args, _real=real, _name=name, **kwargs):
             calls.append(_name)
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(ops, name, wrapper)
     return calls

@@ -13,8 +13,16 @@ def _precision(dtype):
     return "ieee" if dtype == torch.float32 else ""
 
 
+def case(*args, **kwargs):
+    """One sample: the positional arguments (tensors, counts) and the keyword-only settings."""
+    return args, kwargs
+
+
 def samples(device, dtype, m=5, k=7, n=3, seed=0):
-    """{op name: [args, ...]} covering optional arguments (None) and scale shapes."""
+    """{op name: [(args, kwargs), ...]} covering optional arguments (None) and scale shapes.
+
+    ``op(*args, **kwargs)``; ``torch.library.opcheck(op, args, kwargs)``.
+    """
     g = torch.Generator().manual_seed(seed)
 
     def t(*shape, lo=-1.0, hi=1.0, dt=dtype):
@@ -47,49 +55,59 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
 
     prec = _precision(dtype)
     return {
-        "gemm_affine": [(x, w, a, c, prec)],
-        "gemm_colstats": [(x, w, prec)],
+        "gemm_affine": [case(x, w, a, c, prec)],
+        "gemm_colstats": [case(x, w, prec)],
         "bn_fold_train": [
-            (colsum, colsumsq, m, bias, gamma, beta, None, s1, *stats(), 0.1, 1e-5),
-            (colsum, colsumsq, m, None, gamma, beta, sn, None, *stats(), None, 1e-3),
+            case(colsum, colsumsq, m, bias, gamma, beta, None, s1, *stats(), momentum=0.1,
+                 eps=1e-5),
+            case(colsum, colsumsq, m, None, gamma, beta, sn, None, *stats(), momentum=None,
+                 eps=1e-3),
         ],
         "bn_fold_eval": [
-            (bias, gamma, beta, None, sn, *stats()[:2], 1e-5),
-            (None, gamma, beta, s1, None, *stats()[:2], 1e-5),
+            case(bias, gamma, beta, None, sn, *stats()[:2], eps=1e-5),
+            case(None, gamma, beta, s1, None, *stats()[:2], eps=1e-5),
         ],
-        "affine_softmax": [(z, a, c), (z, None, None)],
-        "affine_softmax_": [(z.clone(), a, c), (z.clone(), None, None)],
-        "affine_": [(z.clone(), a, c)],
-        "affine": [(z, a, c), (z.t().contiguous().t(), a, c)],
+        "affine_softmax": [case(z, a, c), case(z, None, None)],
+        "affine_softmax_": [case(z.clone(), a, c), case(z.clone(), None, None)],
+        "affine_": [case(z.clone(), a, c)],
+        "affine": [case(z, a, c), case(z.t().contiguous().t(), a, c)],
         "bn_fold_batch": [
-            (colsum, colsumsq, m, bias, gamma, beta, None, s1, 1e-5),
-            (colsum, colsumsq, m, None, gamma, beta, sn, None, 1e-3),
+            case(colsum, colsumsq, m, bias, gamma, beta, None, s1, eps=1e-5),
+            case(colsum, colsumsq, m, None, gamma, beta, sn, None, eps=1e-3),
         ],
-        "softmax_grad_rowdot": [(grad, out)],
-        "head_grad_sums": [(grad, out, rowdot, z), (grad, None, None, z)],
+        "softmax_grad_rowdot": [case(grad, out)],
+        "head_grad_sums": [case(grad, out, rowdot, z), case(grad, None, None, z)],
         "head_grad_coefficients": [
-            (sums, None, colsum, colsumsq, moments, bias, gamma, beta, None, s1, True, 1e-5),
-            (sums, global_sums, colsum, colsumsq, moments, None, gamma, beta, sn, None, True, 1e-5),
-            (sums, None, None, None, moments, bias, gamma, beta, s1, sn, False, 1e-3),
+            case(sums, None, colsum, colsumsq, moments, bias, gamma, beta, None, s1,
+                 training=True, eps=1e-5),
+            case(sums, global_sums, colsum, colsumsq, moments, None, gamma, beta, sn, None,
+                 training=True, eps=1e-5),
+            case(sums, None, None, None, moments, bias, gamma, beta, s1, sn, training=False,
+                 eps=1e-3),
         ],
-        "head_grad_z": [(grad, out, rowdot, z, coef), (grad, None, None, z, coef)],
-        "backward_matmul": [(z, t(n, k), prec), (z.t(), x, prec)],
-        # (x, weight, bias, gamma, beta, scale, running_mean, running_var, precision, training,
-        #  scale_before_bn, softmax, eps, group_name)
+        "head_grad_z": [case(grad, out, rowdot, z, coef), case(grad, None, None, z, coef)],
+        "backward_matmul": [case(z, t(n, k), prec), case(z.t(), x, prec)],
+        # (x, weight, bias, gamma, beta, scale, running_mean, running_var, *, HeadConfig's fields)
         "fused_head": [
-            (x, w, bias, gamma, beta, s1, *stats()[:2], prec, True, False, True, 1e-5, ""),
-            (x, w, None, gamma, beta, sn, *stats()[:2], prec, True, True, False, 1e-3, ""),
-            (x, w, bias, gamma, beta, s1, *stats()[:2], prec, False, False, True, 1e-5, ""),
+            case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=True,
+                 scale_before_bn=False, softmax=True, eps=1e-5, group_name=""),
+            case(x, w, None, gamma, beta, sn, *stats()[:2], precision=prec, training=True,
+                 scale_before_bn=True, softmax=False, eps=1e-3),
+            case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=False,
+                 softmax=True, momentum=None),
         ],
-        # (grad, x, weight, bias, gamma, beta, scale, z, out, colsum, colsumsq, moments,
-        #  precision, training, scale_before_bn, softmax, eps, group_name, needs)
+        # (grad, x, weight, bias, gamma, beta, scale, z, out, colsum, colsumsq, moments, needs,
+        #  *, HeadConfig's fields)
         "fused_head_backward": [
-            (grad, x, w, bias, gamma, beta, s1, z, out, colsum, colsumsq, moments, prec, True,
-             False, True, 1e-5, "", [True] * 6),
-            (grad, x, None, None, gamma, beta, sn, z, None, colsum, colsumsq, moments, prec, True,
-             True, False, 1e-3, "", [False, True, False, True, True, True]),
-            (grad, None, w, bias, gamma, beta, s1, z, out, None, None, moments, prec, False,
-             False, True, 1e-5, "", [True, False, True, True, True, True]),
+            case(grad, x, w, bias, gamma, beta, s1, z, out, colsum, colsumsq, moments, [True] * 6,
+                 precision=prec, training=True, scale_before_bn=False, softmax=True, eps=1e-5,
+                 group_name=""),
+            case(grad, x, None, None, gamma, beta, sn, z, None, colsum, colsumsq, moments,
+                 [False, True, False, True, True, True], precision=prec, training=True,
+                 scale_before_bn=True, softmax=False, eps=1e-3),
+            case(grad, None, w, bias, gamma, beta, s1, z, out, None, None, moments,
+                 [True, False, True, True, True, True], precision=prec, training=False,
+                 softmax=True),
         ],
     }
 

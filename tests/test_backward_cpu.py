@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from epifuse import fold, head, ops
 from epifuse.fused_head import fused_head
+from epifuse.head_config import HeadConfig
 from helpers import FUSED_NODE, float64_twin, traced_epifuse_ops, init_args, make_pair, rel_err
 
 F64 = torch.float64
@@ -119,12 +120,13 @@ def test_backward_ops_cpu_match_fold():
     gamma, beta, bias = torch.rand(n) + 0.5, torch.randn(n), torch.randn(n)
     post = torch.rand(1) + 0.5
     colsum, colsumsq = fold.column_stats(z)
-    a, c, moments = ops.bn_fold_batch(colsum, colsumsq, m, bias, gamma, beta, None, post, 1e-5)
+    a, c, moments = ops.bn_fold_batch(colsum, colsumsq, m, bias, gamma, beta, None, post, eps=1e-5)
     f = fold.fold_train(colsum, colsumsq, m, bias, gamma, beta, None, post, 1e-5)
     torch.testing.assert_close(moments, fold.moments_vector(f.mean, f.var, m), rtol=0, atol=0)
     torch.testing.assert_close((a, c), (f.a.float(), f.c.float()))
     coef, g_bias, g_gamma, g_beta, g_pre, g_post = ops.head_grad_coefficients(
-        sums, None, colsum, colsumsq, moments, bias, gamma, beta, None, post, True, 1e-5)
+        sums, None, colsum, colsumsq, moments, bias, gamma, beta, None, post, training=True,
+        eps=1e-5)
     ref = fold.grad_coefficients(sums, None, colsum, colsumsq, moments, bias, gamma, beta, None,
                                  post, True, 1e-5)
     torch.testing.assert_close(coef, torch.stack([ref.A, ref.B, ref.C]).float())
@@ -159,21 +161,22 @@ def _fused_head_sample(requires_grad=True, training=True, softmax=True, scale_be
         return (torch.rand(shape, generator=g) * (hi - lo) + lo).requires_grad_(requires_grad)
 
     scale = t(n if scale_before_bn else 1, lo=0.5, hi=2.0)
-    return (t(m, k), t(n, k), t(n), t(n, lo=0.5, hi=1.5), t(n), scale,
-            torch.rand(n, generator=g), torch.rand(n, generator=g) + 0.5, "ieee", training,
-            scale_before_bn, softmax, 1e-5, "")
+    args = (t(m, k), t(n, k), t(n), t(n, lo=0.5, hi=1.5), t(n), scale,
+            torch.rand(n, generator=g), torch.rand(n, generator=g) + 0.5)
+    return args, HeadConfig(precision="ieee", training=training, scale_before_bn=scale_before_bn,
+                            softmax=softmax, eps=1e-5, group_name="").kwargs()
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(training=False), dict(softmax=False),
                                      dict(scale_before_bn=True), dict(requires_grad=False)],
                          ids=["train-softmax", "eval", "train-plain", "pre-scale", "no-grad"])
 def test_opcheck_fused_head_cpu(variant):
-    torch.library.opcheck(torch.ops.epifuse.fused_head.default, _fused_head_sample(**variant))
+    torch.library.opcheck(torch.ops.epifuse.fused_head.default, *_fused_head_sample(**variant))
 
 
 def test_fused_head_refuses_double_backward():
-    args = _fused_head_sample()
-    out = fused_head(*args)[0]
+    args, kwargs = _fused_head_sample()
+    out = fused_head(*args, **kwargs)[0]
     v = torch.randn_like(out, requires_grad=True)
     (gx,) = torch.autograd.grad(out, [args[0]], v, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
@@ -181,19 +184,20 @@ def test_fused_head_refuses_double_backward():
 
 
 def test_fused_head_ops_reject_bad_arguments():
-    args = list(_fused_head_sample(requires_grad=False))
-    bad = list(args)
-    bad[1] = torch.rand(4, 6)  # weight's K (6) differs from x's (5)
+    args, kwargs = _fused_head_sample(requires_grad=False)
+    x, w, bias, gamma, beta, scale, running_mean, running_var = args
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
-        torch.ops.epifuse.fused_head(*bad)
-    out, z, colsum, colsumsq, moments = torch.ops.epifuse.fused_head(*args)
-    x, w, bias, gamma, beta, scale = args[:6]
+        # weight's K (6) differs from x's (5)
+        torch.ops.epifuse.fused_head(x, torch.rand(4, 6), bias, gamma, beta, scale, running_mean,
+                                     running_var, **kwargs)
+    out, z, colsum, colsumsq, moments = torch.ops.epifuse.fused_head(*args, **kwargs)
     grad = torch.rand_like(out)
 
     def backward(x_saved, w_saved, out_saved, needs):
         return torch.ops.epifuse.fused_head_backward(
             grad, x_saved, w_saved, bias, gamma, beta, scale, z, out_saved, colsum, colsumsq,
-            moments, "ieee", True, False, True, 1e-5, "", needs)
+            moments, needs, precision="ieee", training=True, scale_before_bn=False, softmax=True,
+            eps=1e-5, group_name="")
 
     with pytest.raises(RuntimeError, match="softmax head needs out"):
         backward(x, w, None, [True] * 6)
@@ -206,10 +210,11 @@ def test_fused_head_ops_reject_bad_arguments():
 
 
 def test_fused_head_does_not_mutate_running_stats():
-    args = _fused_head_sample()
-    rm, rv = args[6].clone(), args[7].clone()
-    fused_head(*args)
-    assert torch.equal(args[6], rm) and torch.equal(args[7], rv)
+    args, kwargs = _fused_head_sample()
+    running_mean, running_var = args[6:]
+    rm, rv = running_mean.clone(), running_var.clone()
+    fused_head(*args, **kwargs)
+    assert torch.equal(running_mean, rm) and torch.equal(running_var, rv)
 
 
 # --------------------------------------------------------------------------- ModelNew on CPU
@@ -277,7 +282,7 @@ def test_backward_skips_unneeded_gemms(fused_on_cpu):
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
 def test_without_grad_the_in_place_path_runs(context, fused_on_cpu, monkeypatch):
     called = []
-    monkeypatch.setattr(head, "fused_head", lambda *a: called.append(1))
+    monkeypatch.setattr(head, "fused_head", lambda *a, **k: called.append(1))
     _, new = make_pair(84, init_args(84, IN, OUT))
     with getattr(torch, context)():
         y = new(torch.rand(8, IN))

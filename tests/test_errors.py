@@ -287,8 +287,9 @@ def _fold_args(n=3, count=5, dtype=torch.float32):
     colsumsq = colsum * colsum + 1
     stats = (torch.zeros(n, device=CUDA, dtype=dtype), torch.ones(n, device=CUDA, dtype=dtype),
              torch.zeros((), device=CUDA, dtype=torch.long))
-    return [colsum, colsumsq, count, None, _vec(n, dtype), _vec(n, dtype), None, None, *stats,
-            0.1, 1e-5]
+    # bn_fold_train's (positional arguments, keyword settings)
+    return ([colsum, colsumsq, count, None, _vec(n, dtype), _vec(n, dtype), None, None, *stats],
+            {"momentum": 0.1, "eps": 1e-5})
 
 
 def _gemm_case(name):
@@ -337,10 +338,10 @@ def test_gemm_colstats_errors(name, healthy_cuda):
 @pytest.mark.hopper
 @pytest.mark.parametrize("count", [1, 0, -3])
 def test_bn_fold_train_rejects_small_count(count, healthy_cuda):
-    args = _fold_args(count=count)
+    args, kwargs = _fold_args(count=count)
     nbt, rv = args[10], args[9]
     with pytest.raises(ValueError, match="more than 1 value per channel"):
-        torch.ops.epifuse.bn_fold_train(*args)
+        torch.ops.epifuse.bn_fold_train(*args, **kwargs)
     torch.cuda.synchronize()
     assert nbt.item() == 0 and torch.equal(rv, torch.ones_like(rv)), "state changed on error"
 
@@ -353,30 +354,32 @@ def test_bn_fold_train_rejects_small_count(count, healthy_cuda):
     ("running_var-dtype", 9, "vec3-f64", RuntimeError, r"running_var"),
     ("nbt-dtype", 10, "int32-scalar", RuntimeError, r"num_batches_tracked"),
     ("colsum-float32", 0, "vec3", RuntimeError, r"float64|colsum"),
-    ("momentum>1", 11, 1.5, ValueError, r"momentum"),
-    ("eps<0", 12, -1.0, ValueError, r"eps"),
+    ("momentum>1", "momentum", 1.5, ValueError, r"momentum"),
+    ("eps<0", "eps", -1.0, ValueError, r"eps"),
 ])
 def test_bn_fold_train_bad_arguments(name, index, value, exc, key, healthy_cuda):
-    args = _fold_args()
-    args[index] = {"vec4": lambda: _vec(4), "vec3": lambda: _vec(3),
-                   "vec3-bf16": lambda: _vec(3, torch.bfloat16),
-                   "vec3-f64": lambda: _vec(3, torch.float64),
-                   "int32-scalar": lambda: torch.zeros((), device=CUDA, dtype=torch.int32),
-                   }.get(value, lambda: value)()
+    """index: a positional argument's, or a keyword setting's name."""
+    args, kwargs = _fold_args()
+    (kwargs if isinstance(index, str) else args)[index] = {
+        "vec4": lambda: _vec(4), "vec3": lambda: _vec(3),
+        "vec3-bf16": lambda: _vec(3, torch.bfloat16),
+        "vec3-f64": lambda: _vec(3, torch.float64),
+        "int32-scalar": lambda: torch.zeros((), device=CUDA, dtype=torch.int32),
+    }.get(value, lambda: value)()
     with pytest.raises(exc, match=key):
-        torch.ops.epifuse.bn_fold_train(*args)
+        torch.ops.epifuse.bn_fold_train(*args, **kwargs)
 
 
 @pytest.mark.hopper
 def test_bn_fold_eval_bad_arguments(healthy_cuda):
-    args = _fold_args()
+    args, _ = _fold_args()
     bias, gamma, beta, rm, rv = _vec(3), args[4], args[5], args[8], args[9]
     with pytest.raises(RuntimeError, match="running_var"):
-        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, None, rm, _vec(5), 1e-5)
+        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, None, rm, _vec(5), eps=1e-5)
     with pytest.raises(RuntimeError, match="post_scale"):
-        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, _vec(2), rm, rv, 1e-5)
+        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, _vec(2), rm, rv, eps=1e-5)
     with pytest.raises(RuntimeError, match="CUDA|device"):
-        torch.ops.epifuse.bn_fold_eval(bias.cpu(), gamma, beta, None, None, rm, rv, 1e-5)
+        torch.ops.epifuse.bn_fold_eval(bias.cpu(), gamma, beta, None, None, rm, rv, eps=1e-5)
 
 
 @pytest.mark.hopper

@@ -11,6 +11,7 @@ import torch
 
 from epifuse import fold, head, ops
 from epifuse.fused_head import fused_head
+from epifuse.head_config import HeadConfig
 from helpers import (DTYPE_OF, FUSED_NODE, ORACLE_TOL, float64_twin, init_args, make_pair,
                      precision_of, rel_err)
 
@@ -91,13 +92,13 @@ def test_kernels_match_fold(dtype, shape, softmax):
                          torch.randn(n, device=CUDA))
     pre = torch.rand(n, device=CUDA) + 0.5
     colsum, colsumsq = fold.column_stats(z)
-    a, c, moments = ops.bn_fold_batch(colsum, colsumsq, m, bias, gamma, beta, pre, None, 1e-5)
+    a, c, moments = ops.bn_fold_batch(colsum, colsumsq, m, bias, gamma, beta, pre, None, eps=1e-5)
     f = fold.fold_train(colsum, colsumsq, m, bias, gamma, beta, pre, None, 1e-5)
     torch.testing.assert_close(moments, fold.moments_vector(f.mean, f.var, m), rtol=1e-12,
                                atol=1e-12)
     for training in (True, False):
         got = ops.head_grad_coefficients(sums, None, colsum, colsumsq, moments, bias, gamma, beta,
-                                         pre, None, training, 1e-5)
+                                         pre, None, training=training, eps=1e-5)
         ref = fold.grad_coefficients(sums, None, colsum, colsumsq, moments, bias, gamma, beta,
                                      pre, None, training, 1e-5)
         torch.testing.assert_close(got[0], torch.stack([ref.A, ref.B, ref.C]).float())
@@ -132,11 +133,11 @@ def test_scalar_scale_gradient_on_reused_scratch():
                          torch.randn(n, device=CUDA))
     colsum, colsumsq = fold.column_stats(z)
     sums = ops.head_grad_sums(grad, None, None, z)
-    _, _, moments = ops.bn_fold_batch(colsum, colsumsq, m, bias, gamma, beta, None, None, 1e-5)
+    _, _, moments = ops.bn_fold_batch(colsum, colsumsq, m, bias, gamma, beta, None, None, eps=1e-5)
     for step in range(4):
         post = torch.full((1,), 0.5 + step, device=CUDA)
         got = ops.head_grad_coefficients(sums, None, colsum, colsumsq, moments, bias, gamma,
-                                         beta, None, post, True, 1e-5)
+                                         beta, None, post, training=True, eps=1e-5)
         ref = fold.grad_coefficients(sums, None, colsum, colsumsq, moments, bias, gamma, beta,
                                      None, post, True, 1e-5)
         expected = ref.post.sum().reshape(1)
@@ -151,22 +152,23 @@ def _fused_head_sample(training=True, softmax=True, scale_before_bn=False):
         return (torch.rand(shape, device=CUDA, generator=g) * (hi - lo) + lo).requires_grad_()
 
     n = 64
-    return (t(48, 40), t(n, 40), t(n), t(n, lo=0.5, hi=1.5), t(n),
+    args = (t(48, 40), t(n, 40), t(n), t(n, lo=0.5, hi=1.5), t(n),
             t(n if scale_before_bn else 1, lo=0.5, hi=2.0),
-            torch.rand(n, device=CUDA), torch.rand(n, device=CUDA) + 0.5, "ieee", training,
-            scale_before_bn, softmax, 1e-5, "")
+            torch.rand(n, device=CUDA), torch.rand(n, device=CUDA) + 0.5)
+    return args, HeadConfig(precision="ieee", training=training, scale_before_bn=scale_before_bn,
+                            softmax=softmax, eps=1e-5, group_name="").kwargs()
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(training=False), dict(softmax=False),
                                      dict(scale_before_bn=True)],
                          ids=["train-softmax", "eval", "train-plain", "pre-scale"])
 def test_opcheck_fused_head(variant):
-    torch.library.opcheck(torch.ops.epifuse.fused_head.default, _fused_head_sample(**variant))
+    torch.library.opcheck(torch.ops.epifuse.fused_head.default, *_fused_head_sample(**variant))
 
 
 def test_double_backward_raises():
-    args = _fused_head_sample()
-    out = fused_head(*args)[0]
+    args, kwargs = _fused_head_sample()
+    out = fused_head(*args, **kwargs)[0]
     (gx,) = torch.autograd.grad(out, [args[0]], torch.randn_like(out, requires_grad=True),
                                 create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):

@@ -156,7 +156,7 @@ def test_bn_fold_train_and_eval(dtype_id, n, scale, pos, momentum):
     pre, post = (s, None) if pos == "pre" else (None, s)
     rm, rv, nbt = p["rm"].clone(), p["rv"].clone(), torch.tensor(2, device=CUDA)
     a, c = ops.bn_fold_train(p["colsum"], p["colsumsq"], p["m"], p["bias"], p["gamma"], p["beta"],
-                             pre, post, rm, rv, nbt, momentum, 1e-5)
+                             pre, post, rm, rv, nbt, momentum=momentum, eps=1e-5)
     f = fold.fold_train(p["colsum"], p["colsumsq"], p["m"], p["bias"], p["gamma"], p["beta"],
                         pre, post, 1e-5)
     assert a.dtype == c.dtype == torch.float32 and a.shape == c.shape == (n,)
@@ -168,14 +168,15 @@ def test_bn_fold_train_and_eval(dtype_id, n, scale, pos, momentum):
     assert rel_err(rv, rv_ref) <= buf_tol
     assert nbt.item() == 3
 
-    a, c = ops.bn_fold_eval(p["bias"], p["gamma"], p["beta"], pre, post, p["rm"], p["rv"], 1e-5)
+    a, c = ops.bn_fold_eval(p["bias"], p["gamma"], p["beta"], pre, post, p["rm"], p["rv"],
+                            eps=1e-5)
     f = fold.fold_eval(p["bias"], p["gamma"], p["beta"], pre, post, p["rm"], p["rv"], 1e-5)
     assert rel_err(a, f.a) <= 1e-6 and rel_err(c, f.c) <= 1e-6
 
 
 def test_bn_fold_without_bias():
     p = _fold_inputs(9, torch.float32)
-    a, c = ops.bn_fold_eval(None, p["gamma"], p["beta"], None, None, p["rm"], p["rv"], 1e-3)
+    a, c = ops.bn_fold_eval(None, p["gamma"], p["beta"], None, None, p["rm"], p["rv"], eps=1e-3)
     f = fold.fold_eval(None, p["gamma"], p["beta"], None, None, p["rm"], p["rv"], 1e-3)
     assert rel_err(a, f.a) <= 1e-6 and rel_err(c, f.c) <= 1e-6
 
@@ -285,17 +286,17 @@ CASES = [pytest.param(name, d, i, id=f"{name}-{d}-{i}") for name, d, i in all_ca
 
 @pytest.mark.parametrize("name,dtype_id,index", CASES)
 def test_opcheck_cuda(name, dtype_id, index):
-    args = samples(CUDA, DTYPES[dtype_id])[name][index]
-    torch.library.opcheck(op(name), args)
+    args, kwargs = samples(CUDA, DTYPES[dtype_id])[name][index]
+    torch.library.opcheck(op(name), args, kwargs)
 
 
 @pytest.mark.parametrize("name,dtype_id,index", CASES)
 def test_cuda_matches_cpu_kernel(name, dtype_id, index):
     """The CUDA kernel against the CPU kernel (fold.py) on the same sample."""
-    args = samples(CUDA, DTYPES[dtype_id])[name][index]
+    args, kwargs = samples(CUDA, DTYPES[dtype_id])[name][index]
     cuda_args = copy.deepcopy(args)
     cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in copy.deepcopy(args)]
-    out_cuda, out_cpu = op(name)(*cuda_args), op(name)(*cpu_args)
+    out_cuda, out_cpu = op(name)(*cuda_args, **kwargs), op(name)(*cpu_args, **kwargs)
     tol = 1e-2 if DTYPES[dtype_id] != torch.float32 else 1e-5
     flat = lambda o: o if isinstance(o, tuple) else (() if o is None else (o,))  # noqa: E731
     for got, want in zip(flat(out_cuda), flat(out_cpu), strict=True):

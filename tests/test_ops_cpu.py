@@ -16,17 +16,17 @@ CASES = [pytest.param(name, d, i, id=f"{name}-{d}-{i}") for name, d, i in all_ca
 
 @pytest.mark.parametrize("name,dtype_id,index", CASES)
 def test_opcheck_cpu(name, dtype_id, index):
-    args = samples("cpu", DTYPES[dtype_id])[name][index]
-    torch.library.opcheck(op(name), args)
+    args, kwargs = samples("cpu", DTYPES[dtype_id])[name][index]
+    torch.library.opcheck(op(name), args, kwargs)
 
 
 @pytest.mark.parametrize("name,dtype_id,index", CASES)
 def test_fake_kernel_matches_cpu_kernel(name, dtype_id, index):
-    args = samples("cpu", DTYPES[dtype_id])[name][index]
-    real = op(name)(*copy.deepcopy(args))
+    args, kwargs = samples("cpu", DTYPES[dtype_id])[name][index]
+    real = op(name)(*copy.deepcopy(args), **kwargs)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fake = op(name)(*fake_args)
+        fake = op(name)(*fake_args, **kwargs)
     flat_real = real if isinstance(real, tuple) else (real,)
     flat_fake = fake if isinstance(fake, tuple) else (fake,)
     for r, f in zip(flat_real, flat_fake, strict=True):
@@ -71,7 +71,7 @@ def test_bn_fold_train_cpu_matches_batchnorm1d(momentum, position):
     rm, rv, nbt = bn.running_mean.float(), bn.running_var.float(), bn.num_batches_tracked.clone()
     pre, post = (scale, None) if position == "pre" else (None, scale)
     a, c = ops.bn_fold_train(z.sum(0), (z * z).sum(0), m, bias, gamma, beta, pre, post, rm, rv,
-                             nbt, momentum, bn.eps)
+                             nbt, momentum=momentum, eps=bn.eps)
     u = (z + bias.double()) * (scale.double() if pre is not None else 1)
     with torch.no_grad():
         expected = bn.train()(u) * (scale.double() if post is not None else 1)
@@ -86,7 +86,7 @@ def test_bn_fold_eval_cpu_values():
     n = 3
     bias, gamma, beta, scale = torch.randn(n), torch.rand(n) + 0.5, torch.randn(n), torch.rand(n) + 1
     rm, rv = torch.randn(n), torch.rand(n) + 0.5
-    a, c = ops.bn_fold_eval(bias, gamma, beta, scale, None, rm, rv, 1e-5)
+    a, c = ops.bn_fold_eval(bias, gamma, beta, scale, None, rm, rv, eps=1e-5)
     z = torch.randn(4, n, dtype=torch.float64)
     expected = torch.nn.functional.batch_norm(
         (z + bias.double()) * scale.double(), rm.double(), rv.double(), gamma.double(),

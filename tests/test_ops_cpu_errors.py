@@ -20,11 +20,12 @@ def _vec(n, dtype=F32):
 
 
 def _fold_args(n=3, count=5, dtype=F32):
+    """bn_fold_train's (positional arguments, keyword settings)."""
     colsum = torch.rand(n, dtype=F64)
     stats = (torch.zeros(n, dtype=dtype), torch.ones(n, dtype=dtype),
              torch.zeros((), dtype=torch.long))
-    return [colsum, colsum * colsum + 1, count, None, _vec(n, dtype), _vec(n, dtype), None, None,
-            *stats, 0.1, 1e-5]
+    return ([colsum, colsum * colsum + 1, count, None, _vec(n, dtype), _vec(n, dtype), None, None,
+             *stats], {"momentum": 0.1, "eps": 1e-5})
 
 
 def _gemm_cases():
@@ -65,10 +66,10 @@ def test_gemm_colstats_errors_cpu(name):
 
 @pytest.mark.parametrize("count", [1, 0, -3])
 def test_bn_fold_train_rejects_small_count_cpu(count):
-    args = _fold_args(count=count)
+    args, kwargs = _fold_args(count=count)
     nbt, rv = args[10], args[9]
     with pytest.raises(ValueError, match="more than 1 value per channel"):
-        torch.ops.epifuse.bn_fold_train(*args)
+        torch.ops.epifuse.bn_fold_train(*args, **kwargs)
     assert nbt.item() == 0 and torch.equal(rv, torch.ones_like(rv)), "state changed on error"
 
 
@@ -90,31 +91,32 @@ _FOLD_VALUES = {
     ("nbt-float", 10, "float-scalar", RuntimeError, r"num_batches_tracked.*int64"),
     ("colsum-float32", 0, "vec3", RuntimeError, r"float64.*Float \[3\]"),
     ("colsumsq-length", 1, "vec4", RuntimeError, r"colsum"),
-    ("momentum>1", 11, 1.5, ValueError, r"momentum must be in \[0, 1\].*1\.5"),
-    ("eps<0", 12, -1.0, ValueError, r"eps must be non-negative"),
+    ("momentum>1", "momentum", 1.5, ValueError, r"momentum must be in \[0, 1\].*1\.5"),
+    ("eps<0", "eps", -1.0, ValueError, r"eps must be non-negative"),
 ])
 def test_bn_fold_train_bad_arguments_cpu(name, index, value, exc, key):
-    args = _fold_args()
-    args[index] = _FOLD_VALUES.get(value, lambda: value)()
+    """index: a positional argument's, or a keyword setting's name."""
+    args, kwargs = _fold_args()
+    (kwargs if isinstance(index, str) else args)[index] = _FOLD_VALUES.get(value, lambda: value)()
     nbt = args[10]
     with pytest.raises(exc, match=key):
-        torch.ops.epifuse.bn_fold_train(*args)
+        torch.ops.epifuse.bn_fold_train(*args, **kwargs)
     if name != "nbt-dtype" and name != "nbt-float":
         assert nbt.item() == 0, "running statistics updated although the call failed"
 
 
 def test_bn_fold_eval_bad_arguments_cpu():
-    args = _fold_args()
+    args, _ = _fold_args()
     bias, gamma, beta, rm, rv = _vec(3), args[4], args[5], args[8], args[9]
     with pytest.raises(RuntimeError, match="running_var"):
-        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, None, rm, _vec(5), 1e-5)
+        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, None, rm, _vec(5), eps=1e-5)
     with pytest.raises(RuntimeError, match="post_scale"):
-        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, _vec(2), rm, rv, 1e-5)
+        torch.ops.epifuse.bn_fold_eval(bias, gamma, beta, None, _vec(2), rm, rv, eps=1e-5)
     with pytest.raises(RuntimeError, match="bias to have dtype Float like gamma, got Double"):
-        torch.ops.epifuse.bn_fold_eval(bias.double(), gamma, beta, None, None, rm, rv, 1e-5)
+        torch.ops.epifuse.bn_fold_eval(bias.double(), gamma, beta, None, None, rm, rv, eps=1e-5)
     with pytest.raises(RuntimeError, match="not implemented for 'Double'"):
         f64 = [t.double() for t in (bias, gamma, beta, rm, rv)]
-        torch.ops.epifuse.bn_fold_eval(*f64[:3], None, None, *f64[3:], 1e-5)
+        torch.ops.epifuse.bn_fold_eval(*f64[:3], None, None, *f64[3:], eps=1e-5)
 
 
 @pytest.mark.parametrize("op", ["affine_softmax", "affine_softmax_", "affine_"])

@@ -15,6 +15,10 @@
 //
 // fused_head is functional: it leaves the running statistics alone (the caller updates them from
 // the returned column sums), so torch.compile and opcheck see an op without mutation.
+//
+// Settings (precision, training, ...) are keyword-only with defaults in both schemas, parsed once
+// into a HeadConfig (head_config.h, the one table of them); the composites and the autograd pass
+// that struct around.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -24,6 +28,8 @@
 #include <optional>
 #include <string>
 #include <tuple>
+
+#include "head_config.h"
 
 namespace epifuse {
 namespace {
@@ -74,13 +80,11 @@ EPIFUSE_OP(head_grad_z, "head_grad_z",
 EPIFUSE_OP(backward_matmul, "backward_matmul", Tensor(const Tensor&, const Tensor&, c10::string_view))
 EPIFUSE_OP(fused_head_op, "fused_head",
            Tensor5(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
-                   const Tensor&, const Tensor&, const Tensor&, c10::string_view, bool, bool, bool,
-                   double, c10::string_view))
+                   const Tensor&, const Tensor&, const Tensor& EPIFUSE_HEAD_PARAM_TYPES))
 EPIFUSE_OP(fused_head_backward_op, "fused_head_backward",
            Tensor6(const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
                    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
-                   const OptTensor&, const OptTensor&, const Tensor&, c10::string_view, bool, bool,
-                   bool, double, c10::string_view, Needs))
+                   const OptTensor&, const OptTensor&, const Tensor&, Needs EPIFUSE_HEAD_PARAM_TYPES))
 #undef EPIFUSE_OP
 
 // Problem 39's scale multiplies BatchNorm's input, problem 84's its output: (pre_scale, post_scale).
@@ -97,36 +101,44 @@ Tensor running_moments(const Tensor& running_mean, const Tensor& running_var) {
 
 // ---- the composites (CPU and CUDA) ---------------------------------------------------------------
 
-Tensor5 fused_head(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& gamma,
-                   const Tensor& beta, const Tensor& scale, const Tensor& running_mean,
-                   const Tensor& running_var, c10::string_view precision, bool training,
-                   bool scale_before_bn, bool softmax, double eps, c10::string_view group_name) {
-  const auto [pre, post] = scales(scale, scale_before_bn);
-  auto [z, colsum, colsumsq] = gemm_colstats().call(x, weight, precision);
+Tensor5 fused_head_impl(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                        const Tensor& gamma, const Tensor& beta, const Tensor& scale,
+                        const Tensor& running_mean, const Tensor& running_var,
+                        const HeadConfig& cfg) {
+  const auto [pre, post] = scales(scale, cfg.scale_before_bn);
+  auto [z, colsum, colsumsq] = gemm_colstats().call(x, weight, cfg.precision);
   Tensor a, c, moments;
-  if (!training) {
-    std::tie(a, c) = bn_fold_eval().call(bias, gamma, beta, pre, post, running_mean, running_var, eps);
+  if (!cfg.training) {
+    std::tie(a, c) =
+        bn_fold_eval().call(bias, gamma, beta, pre, post, running_mean, running_var, cfg.eps);
     moments = running_moments(running_mean, running_var);
-  } else if (!group_name.empty()) {  // statistics over every rank of the group
+  } else if (!cfg.group_name.empty()) {  // statistics over every rank of the group
     std::tie(a, c, moments) = synced_batch_fold().call(colsum, colsumsq, x.size(0), bias, gamma,
-                                                       beta, pre, post, eps, group_name);
+                                                       beta, pre, post, cfg.eps, cfg.group_name);
   } else {
     std::tie(a, c, moments) =
-        bn_fold_batch().call(colsum, colsumsq, x.size(0), bias, gamma, beta, pre, post, eps);
+        bn_fold_batch().call(colsum, colsumsq, x.size(0), bias, gamma, beta, pre, post, cfg.eps);
   }
-  Tensor out = softmax ? affine_softmax().call(z, a, c) : affine().call(z, a, c);
+  Tensor out = cfg.softmax ? affine_softmax().call(z, a, c) : affine().call(z, a, c);
   return {out, z, colsum, colsumsq, moments};
+}
+
+// The op's kernel (CPU and CUDA): the settings parsed into a HeadConfig, once.
+Tensor5 fused_head(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& gamma,
+                   const Tensor& beta, const Tensor& scale, const Tensor& running_mean,
+                   const Tensor& running_var EPIFUSE_HEAD_PARAMS) {
+  const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
+  return fused_head_impl(x, weight, bias, gamma, beta, scale, running_mean, running_var, cfg);
 }
 
 // dX and dW are computed only where needs asks (else empty tensors); the [N] parameter gradients
 // always (one kernel computes them all).
-Tensor6 fused_head_backward(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
-                            const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
-                            const Tensor& scale, const Tensor& z, const OptTensor& out,
-                            const OptTensor& colsum, const OptTensor& colsumsq,
-                            const Tensor& moments, c10::string_view precision, bool training,
-                            bool scale_before_bn, bool softmax, double eps,
-                            c10::string_view group_name, Needs needs) {
+Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
+                                 const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
+                                 const Tensor& scale, const Tensor& z, const OptTensor& out,
+                                 const OptTensor& colsum, const OptTensor& colsumsq,
+                                 const Tensor& moments, Needs needs, const HeadConfig& cfg) {
+  const bool softmax = cfg.softmax, scale_before_bn = cfg.scale_before_bn;
   TORCH_CHECK(!softmax || out.has_value(), "epifuse::fused_head_backward: a softmax head needs out");
   TORCH_CHECK(!needs[0] || weight.has_value(), "epifuse::fused_head_backward: dX needs weight");
   TORCH_CHECK(!needs[1] || x.has_value(), "epifuse::fused_head_backward: dW needs x");
@@ -138,18 +150,30 @@ Tensor6 fused_head_backward(const Tensor& grad, const OptTensor& x, const OptTen
   // nn.SyncBatchNorm's condition, so ranks on the reference path issue the same all_reduce.
   const bool need_du = needs[0] || needs[1] || needs[2] || (scale_before_bn && needs[5]);
   OptTensor global_sums;
-  if (training && !group_name.empty() && need_du) {
-    global_sums = synced_grad_sums().call(sums, moments, bias, gamma, pre, post, eps, group_name);
+  if (cfg.training && !cfg.group_name.empty() && need_du) {
+    global_sums = synced_grad_sums().call(sums, moments, bias, gamma, pre, post, cfg.eps,
+                                          cfg.group_name);
   }
-  auto [coef, g_bias, g_gamma, g_beta, g_pre, g_post] = head_grad_coefficients().call(
-      sums, global_sums, colsum, colsumsq, moments, bias, gamma, beta, pre, post, training, eps);
+  auto [coef, g_bias, g_gamma, g_beta, g_pre, g_post] =
+      head_grad_coefficients().call(sums, global_sums, colsum, colsumsq, moments, bias, gamma,
+                                    beta, pre, post, cfg.training, cfg.eps);
   Tensor grad_x = at::empty({0}, grad.options()), grad_w = at::empty({0}, grad.options());
   if (needs[0] || needs[1]) {
     const Tensor dz = head_grad_z().call(grad, softmax_out, rowdot, z, coef);
-    if (needs[0]) grad_x = backward_matmul().call(dz, *weight, precision);
-    if (needs[1]) grad_w = backward_matmul().call(dz.t(), *x, precision);
+    if (needs[0]) grad_x = backward_matmul().call(dz, *weight, cfg.precision);
+    if (needs[1]) grad_w = backward_matmul().call(dz.t(), *x, cfg.precision);
   }
   return {grad_x, grad_w, g_bias, g_gamma, g_beta, scale_before_bn ? g_pre : g_post};
+}
+
+Tensor6 fused_head_backward(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
+                            const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
+                            const Tensor& scale, const Tensor& z, const OptTensor& out,
+                            const OptTensor& colsum, const OptTensor& colsumsq,
+                            const Tensor& moments, Needs needs EPIFUSE_HEAD_PARAMS) {
+  const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
+  return fused_head_backward_impl(grad, x, weight, bias, gamma, beta, scale, z, out, colsum,
+                                  colsumsq, moments, needs, cfg);
 }
 
 // ---- autograd --------------------------------------------------------------------------------
@@ -157,8 +181,38 @@ Tensor6 fused_head_backward(const Tensor& grad, const OptTensor& x, const OptTen
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr int kForwardArgs = 14;   // fused_head's arguments
-constexpr int kBackwardArgs = 19;  // fused_head_backward's
+// The autograd functions' arguments, which their backwards return one gradient (or none) for.
+constexpr int kForwardArgs = 9;    // FusedHead: fused_head's 8 tensors, the HeadConfig
+constexpr int kBackwardArgs = 14;  // FusedHeadBackward: 12 tensors, needs, the HeadConfig
+
+// What the autograd keeps for the backward, by name: x and W only where the other one needs a
+// gradient (dX needs W, dW needs x, as eager's mm keeps them), out for softmax heads, colsum and
+// colsumsq in training; undefined where not kept.
+#define EPIFUSE_SAVED_TENSORS(X) \
+  X(x) X(weight) X(bias) X(gamma) X(beta) X(scale) X(z) X(out) X(colsum) X(colsumsq) X(moments)
+
+struct SavedTensors {
+#define EPIFUSE_SAVED_MEMBER_(name) Tensor name;
+  EPIFUSE_SAVED_TENSORS(EPIFUSE_SAVED_MEMBER_)
+#undef EPIFUSE_SAVED_MEMBER_
+
+  // save_for_backward's list, and back from get_saved_variables' (the same order).
+  variable_list list() const {
+#define EPIFUSE_SAVED_ITEM_(name) name,
+    return {EPIFUSE_SAVED_TENSORS(EPIFUSE_SAVED_ITEM_)};
+#undef EPIFUSE_SAVED_ITEM_
+  }
+  static SavedTensors from_list(const variable_list& saved) {
+    SavedTensors s;
+    size_t i = 0;
+#define EPIFUSE_SAVED_READ_(name) s.name = saved.at(i++);
+    EPIFUSE_SAVED_TENSORS(EPIFUSE_SAVED_READ_)
+#undef EPIFUSE_SAVED_READ_
+    return s;
+  }
+};
+
+OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 }  // namespace
 
@@ -167,30 +221,30 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
                                const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
                                const Tensor& scale, const Tensor& running_mean,
-                               const Tensor& running_var, c10::string_view precision,
-                               bool training, bool scale_before_bn, bool softmax, double eps,
-                               c10::string_view group_name) {
+                               const Tensor& running_var, const HeadConfig& cfg) {
     Tensor out, z, colsum, colsumsq, moments;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(out, z, colsum, colsumsq, moments) = fused_head_op().call(
-          x, weight, bias, gamma, beta, scale, running_mean, running_var, precision, training,
-          scale_before_bn, softmax, eps, group_name);
+          x, weight, bias, gamma, beta, scale, running_mean, running_var EPIFUSE_HEAD_ARGS);
     }
     ctx->mark_non_differentiable({z, colsum, colsumsq, moments});
     ctx->set_materialize_grads(false);
-    // dX needs W, dW needs x (kept only then, as eager's mm does); z and out are the [M, N]
-    // tensors kept.
-    ctx->save_for_backward({weight.requires_grad() ? x : Tensor(),
-                            x.requires_grad() ? weight : Tensor(), bias.value_or(Tensor()), gamma,
-                            beta, scale, z, softmax ? out : Tensor(),
-                            training ? colsum : Tensor(), training ? colsumsq : Tensor(), moments});
-    ctx->saved_data["precision"] = std::string(precision);
-    ctx->saved_data["group_name"] = std::string(group_name);
-    ctx->saved_data["training"] = training;
-    ctx->saved_data["scale_before_bn"] = scale_before_bn;
-    ctx->saved_data["softmax"] = softmax;
-    ctx->saved_data["eps"] = eps;
+    // z and out are the [M, N] tensors kept.
+    SavedTensors saved;
+    saved.x = weight.requires_grad() ? x : Tensor();
+    saved.weight = x.requires_grad() ? weight : Tensor();
+    saved.bias = bias.value_or(Tensor());
+    saved.gamma = gamma;
+    saved.beta = beta;
+    saved.scale = scale;
+    saved.z = z;
+    saved.out = cfg.softmax ? out : Tensor();
+    saved.colsum = cfg.training ? colsum : Tensor();
+    saved.colsumsq = cfg.training ? colsumsq : Tensor();
+    saved.moments = moments;
+    ctx->save_for_backward(saved.list());
+    save_head_config(ctx, cfg);
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     return {out, z, colsum, colsumsq, moments};
   }
@@ -199,8 +253,8 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     variable_list result(kForwardArgs);
     const Tensor& grad = grads[0];
     if (!grad.defined()) return result;
-    const variable_list s = ctx->get_saved_variables();
-    auto opt = [](const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
+    const SavedTensors s = SavedTensors::from_list(ctx->get_saved_variables());
+    const HeadConfig cfg = load_head_config(ctx);
     // Edges exist for the tensor arguments only: an absent bias has none.
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     auto needs_arg = [&](int arg) {
@@ -209,13 +263,9 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     };
     const Needs needs{needs_arg(0), needs_arg(1), has_bias && needs_arg(2), needs_arg(3),
                       needs_arg(4), needs_arg(5)};
-    const std::string precision = ctx->saved_data["precision"].toStringRef();
-    const std::string group_name = ctx->saved_data["group_name"].toStringRef();
     auto grads_in = fused_head_backward_op().call(
-        grad, opt(s[0]), opt(s[1]), opt(s[2]), s[3], s[4], s[5], s[6], opt(s[7]), opt(s[8]),
-        opt(s[9]), s[10], precision, ctx->saved_data["training"].toBool(),
-        ctx->saved_data["scale_before_bn"].toBool(), ctx->saved_data["softmax"].toBool(),
-        ctx->saved_data["eps"].toDouble(), group_name, needs);
+        grad, opt(s.x), opt(s.weight), opt(s.bias), s.gamma, s.beta, s.scale, s.z, opt(s.out),
+        opt(s.colsum), opt(s.colsumsq), s.moments, needs EPIFUSE_HEAD_ARGS);
     const std::array<Tensor, 6> all{std::get<0>(grads_in), std::get<1>(grads_in),
                                     std::get<2>(grads_in), std::get<3>(grads_in),
                                     std::get<4>(grads_in), std::get<5>(grads_in)};
@@ -233,13 +283,11 @@ struct FusedHeadBackward : torch::autograd::Function<FusedHeadBackward> {
                                const OptTensor& weight, const OptTensor& bias, const Tensor& gamma,
                                const Tensor& beta, const Tensor& scale, const Tensor& z,
                                const OptTensor& out, const OptTensor& colsum,
-                               const OptTensor& colsumsq, const Tensor& moments,
-                               c10::string_view precision, bool training, bool scale_before_bn,
-                               bool softmax, double eps, c10::string_view group_name, Needs needs) {
+                               const OptTensor& colsumsq, const Tensor& moments, Needs needs,
+                               const HeadConfig& cfg) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto r = fused_head_backward_op().call(grad, x, weight, bias, gamma, beta, scale, z, out,
-                                           colsum, colsumsq, moments, precision, training,
-                                           scale_before_bn, softmax, eps, group_name, needs);
+                                           colsum, colsumsq, moments, needs EPIFUSE_HEAD_ARGS);
     return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r),
             std::get<5>(r)};
   }
@@ -256,12 +304,11 @@ namespace {
 
 Tensor5 fused_head_autograd(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                             const Tensor& gamma, const Tensor& beta, const Tensor& scale,
-                            const Tensor& running_mean, const Tensor& running_var,
-                            c10::string_view precision, bool training, bool scale_before_bn,
-                            bool softmax, double eps, c10::string_view group_name) {
+                            const Tensor& running_mean,
+                            const Tensor& running_var EPIFUSE_HEAD_PARAMS) {
+  const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
   const variable_list r =
-      FusedHead::apply(x, weight, bias, gamma, beta, scale, running_mean, running_var, precision,
-                       training, scale_before_bn, softmax, eps, group_name);
+      FusedHead::apply(x, weight, bias, gamma, beta, scale, running_mean, running_var, cfg);
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 
@@ -270,12 +317,10 @@ Tensor6 fused_head_backward_autograd(const Tensor& grad, const OptTensor& x, con
                                      const Tensor& beta, const Tensor& scale, const Tensor& z,
                                      const OptTensor& out, const OptTensor& colsum,
                                      const OptTensor& colsumsq, const Tensor& moments,
-                                     c10::string_view precision, bool training,
-                                     bool scale_before_bn, bool softmax, double eps,
-                                     c10::string_view group_name, Needs needs) {
-  const variable_list r = FusedHeadBackward::apply(
-      grad, x, weight, bias, gamma, beta, scale, z, out, colsum, colsumsq, moments, precision,
-      training, scale_before_bn, softmax, eps, group_name, needs);
+                                     Needs needs EPIFUSE_HEAD_PARAMS) {
+  const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
+  const variable_list r = FusedHeadBackward::apply(grad, x, weight, bias, gamma, beta, scale, z,
+                                                   out, colsum, colsumsq, moments, needs, cfg);
   return {r[0], r[1], r[2], r[3], r[4], r[5]};
 }
 
@@ -283,33 +328,35 @@ Tensor6 fused_head_backward_autograd(const Tensor& grad, const OptTensor& x, con
 }  // namespace epifuse
 
 TORCH_LIBRARY_FRAGMENT(epifuse, m) {
+  using epifuse::head_schema_kwargs;
+  // Tensors positional, settings keyword-only with defaults (head_config.h: every HeadConfig
+  // field, e.g. "*, str precision='3xtf32', bool training=True, ...").
   // (out, z, colsum, colsumsq, moments): the head's output; the GEMM output z and moments (the
   // statistics u was normalized with, fold.moments_vector) for the backward; this batch's column
   // sums for the caller's running-statistics update. group_name non-empty: batch statistics over
   // that process group's ranks.
-  m.def(
-      "fused_head(Tensor x, Tensor weight, Tensor? bias, Tensor gamma, Tensor beta, Tensor scale, "
-      "Tensor running_mean, Tensor running_var, str precision, bool training, "
-      "bool scale_before_bn, bool softmax, float eps, str group_name) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def((std::string("fused_head(Tensor x, Tensor weight, Tensor? bias, Tensor gamma, Tensor beta, "
+                     "Tensor scale, Tensor running_mean, Tensor running_var, ") +
+         head_schema_kwargs() + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+            .c_str());
   // (grad_x, grad_weight, grad_bias, grad_gamma, grad_beta, grad_scale); needs: which of
   // x, weight, bias, gamma, beta, scale want a gradient (grad_x / grad_weight are empty otherwise).
-  m.def(
-      "fused_head_backward(Tensor grad, Tensor? x, Tensor? weight, Tensor? bias, Tensor gamma, "
-      "Tensor beta, Tensor scale, Tensor z, Tensor? out, Tensor? colsum, Tensor? colsumsq, "
-      "Tensor moments, str precision, bool training, bool scale_before_bn, bool softmax, "
-      "float eps, str group_name, bool[6] needs) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def((std::string("fused_head_backward(Tensor grad, Tensor? x, Tensor? weight, Tensor? bias, "
+                     "Tensor gamma, Tensor beta, Tensor scale, Tensor z, Tensor? out, "
+                     "Tensor? colsum, Tensor? colsumsq, Tensor moments, bool[6] needs, ") +
+         head_schema_kwargs() + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+            .c_str());
   // Synchronized-statistics hooks (kernels in python/epifuse/fused_head.py, torch.distributed):
   // the fold from batch statistics merged over the group's ranks -> (a, c, moments), and the
-  // backward's [G1(N), G2(N), M] sums all-reduced over them.
-  m.def(
-      "synced_batch_fold(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, Tensor gamma, "
-      "Tensor beta, Tensor? pre_scale, Tensor? post_scale, float eps, str group_name) "
-      "-> (Tensor, Tensor, Tensor)");
-  m.def(
-      "synced_grad_sums(Tensor sums, Tensor moments, Tensor? bias, Tensor gamma, "
-      "Tensor? pre_scale, Tensor? post_scale, float eps, str group_name) -> Tensor");
+  // backward's [G1(N), G2(N), M] sums all-reduced over them. group_name must name a group.
+  m.def((std::string("synced_batch_fold(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, "
+                     "Tensor gamma, Tensor beta, Tensor? pre_scale, Tensor? post_scale, ") +
+         head_schema_kwargs({"eps", "group_name"}) + ") -> (Tensor, Tensor, Tensor)")
+            .c_str());
+  m.def((std::string("synced_grad_sums(Tensor sums, Tensor moments, Tensor? bias, Tensor gamma, "
+                     "Tensor? pre_scale, Tensor? post_scale, ") +
+         head_schema_kwargs({"eps", "group_name"}) + ") -> Tensor")
+            .c_str());
 }
 
 TORCH_LIBRARY_IMPL(epifuse, CPU, m) {

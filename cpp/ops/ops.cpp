@@ -20,6 +20,7 @@
 #include <string>
 
 #include "epifuse/kernels.h"
+#include "head_config.h"
 #include "weight_split_cache.h"
 
 namespace epifuse {
@@ -702,29 +703,36 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
 TORCH_LIBRARY(epifuse, m) {
   m.def("gemm_affine(Tensor x, Tensor weight, Tensor a, Tensor c, str precision) -> Tensor");
   m.def("gemm_colstats(Tensor x, Tensor weight, str precision) -> (Tensor, Tensor, Tensor)");
-  m.def(
-      "bn_fold_train(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, Tensor gamma, "
-      "Tensor beta, Tensor? pre_scale, Tensor? post_scale, Tensor(a!) running_mean, "
-      "Tensor(b!) running_var, Tensor(c!) num_batches_tracked, float? momentum, float eps) "
-      "-> (Tensor, Tensor)");
-  m.def(
-      "bn_fold_eval(Tensor? bias, Tensor gamma, Tensor beta, Tensor? pre_scale, "
-      "Tensor? post_scale, Tensor running_mean, Tensor running_var, float eps) -> (Tensor, Tensor)");
+  // The head's settings are keyword-only with defaults, as in fused_head (head_config.h names
+  // them): "*, float? momentum=0.1, float eps=1e-05" and the like.
+  using epifuse::head_schema_kwargs;
+  m.def((std::string("bn_fold_train(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, "
+                     "Tensor gamma, Tensor beta, Tensor? pre_scale, Tensor? post_scale, "
+                     "Tensor(a!) running_mean, Tensor(b!) running_var, "
+                     "Tensor(c!) num_batches_tracked, ") +
+         head_schema_kwargs({"momentum", "eps"}) + ") -> (Tensor, Tensor)")
+            .c_str());
+  m.def((std::string("bn_fold_eval(Tensor? bias, Tensor gamma, Tensor beta, Tensor? pre_scale, "
+                     "Tensor? post_scale, Tensor running_mean, Tensor running_var, ") +
+         head_schema_kwargs({"eps"}) + ") -> (Tensor, Tensor)")
+            .c_str());
   m.def("affine_softmax(Tensor z, Tensor? a, Tensor? c) -> Tensor");
   m.def("affine_softmax_(Tensor(a!) z, Tensor? a, Tensor? c) -> ()");
   m.def("affine_(Tensor(a!) z, Tensor a, Tensor c) -> ()");
   m.def("affine(Tensor z, Tensor a, Tensor c) -> Tensor");
-  m.def(
-      "bn_fold_batch(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, Tensor gamma, "
-      "Tensor beta, Tensor? pre_scale, Tensor? post_scale, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def((std::string("bn_fold_batch(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, "
+                     "Tensor gamma, Tensor beta, Tensor? pre_scale, Tensor? post_scale, ") +
+         head_schema_kwargs({"eps"}) + ") -> (Tensor, Tensor, Tensor)")
+            .c_str());
   // Backward of a head (python/epifuse/fold.py, "backward").
   m.def("softmax_grad_rowdot(Tensor grad, Tensor out) -> Tensor");
   m.def("head_grad_sums(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z) -> Tensor");
-  m.def(
-      "head_grad_coefficients(Tensor sums, Tensor? global_sums, Tensor? colsum, Tensor? colsumsq, "
-      "Tensor moments, Tensor? bias, Tensor gamma, Tensor beta, Tensor? pre_scale, "
-      "Tensor? post_scale, bool training, float eps) "
-      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def((std::string("head_grad_coefficients(Tensor sums, Tensor? global_sums, Tensor? colsum, "
+                     "Tensor? colsumsq, Tensor moments, Tensor? bias, Tensor gamma, Tensor beta, "
+                     "Tensor? pre_scale, Tensor? post_scale, ") +
+         head_schema_kwargs({"training", "eps"}) +
+         ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+            .c_str());
   m.def("head_grad_z(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z, Tensor coef) -> Tensor");
   m.def("backward_matmul(Tensor a, Tensor b, str precision) -> Tensor");
   // Build information (no tensors, so one kernel for every backend): the GPU architectures the

@@ -16,6 +16,10 @@ This module registers the Python side: both ops' fake kernels, and the two
 synchronized-statistics hooks (``group_name`` non-empty), which reduce across the ranks
 with torch.distributed between the GEMM and the fold, and between the gradient sums and
 the coefficients.
+
+Tensors are positional, the head's settings keyword-only with defaults (``HeadConfig``,
+head_config.py; ``cpp/ops/head_config.h`` on the C++ side). The kernels here take them as
+keywords with the same defaults (the dispatcher leaves out those equal to their default).
 """
 
 from __future__ import annotations
@@ -25,25 +29,29 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import distributed, fold
+from .head_config import DEFAULT as _D
 
 _F64 = torch.float64
 
-# The op: fused_head(x, weight, bias, gamma, beta, scale, running_mean, running_var, precision,
-# training, scale_before_bn, softmax, eps, group_name) -> (out, z, colsum, colsumsq, moments).
+# The op: fused_head(x, weight, bias, gamma, beta, scale, running_mean, running_var,
+# **HeadConfig.kwargs()) -> (out, z, colsum, colsumsq, moments).
 fused_head = torch.ops.epifuse.fused_head.default
 
 
 def _group(group_name: str) -> "dist.ProcessGroup":
     from torch.distributed import distributed_c10d
 
+    if not group_name:
+        raise ValueError("epifuse: the synchronized-statistics hooks need a process group's "
+                         "group_name, got ''")
     return distributed_c10d._resolve_process_group(group_name)
 
 
 # --------------------------------------------------------------------------- synchronized hooks
 
 @torch.library.register_kernel("epifuse::synced_batch_fold", ("cpu", "cuda"))
-def _synced_batch_fold(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps,
-                       group_name):
+def _synced_batch_fold(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, *,
+                       eps=_D.eps, group_name=_D.group_name):
     """The fold from this batch's column sums merged with every rank's: (a, c, moments)."""
     mean, var = fold.input_moments(colsum, colsumsq, count, bias, pre_scale, like=gamma)
     merged = distributed.synced_moments(distributed.pack_moments(count, mean, var * count),
@@ -56,7 +64,8 @@ def _synced_batch_fold(colsum, colsumsq, count, bias, gamma, beta, pre_scale, po
 
 
 @torch.library.register_kernel("epifuse::synced_grad_sums", ("cpu", "cuda"))
-def _synced_grad_sums(sums, moments, bias, gamma, pre_scale, post_scale, eps, group_name):
+def _synced_grad_sums(sums, moments, bias, gamma, pre_scale, post_scale, *, eps=_D.eps,
+                      group_name=_D.group_name):
     """``fold.normalized_grad_sums`` of this batch, summed over the ranks (nn.SyncBatchNorm's)."""
     global_sums = fold.normalized_grad_sums(sums, moments, bias, gamma, pre_scale, post_scale, eps)
     dist.all_reduce(global_sums, dist.ReduceOp.SUM, group=_group(group_name))
@@ -71,8 +80,8 @@ def _check_gemm_operands(x: Tensor, weight: Tensor) -> None:
 
 
 @torch.library.register_fake("epifuse::fused_head")
-def _fused_head_fake(x, weight, bias, gamma, beta, scale, running_mean, running_var, precision,
-                     training, scale_before_bn, softmax, eps, group_name):
+def _fused_head_fake(x, weight, bias, gamma, beta, scale, running_mean, running_var, **config):
+    # config: the settings given (HeadConfig's fields, keyword-only); no shape depends on them.
     _check_gemm_operands(x, weight)
     n = weight.shape[0]
     z = x.new_empty((x.shape[0], n))
@@ -82,8 +91,8 @@ def _fused_head_fake(x, weight, bias, gamma, beta, scale, running_mean, running_
 
 @torch.library.register_fake("epifuse::fused_head_backward")
 def _fused_head_backward_fake(grad, x, weight, bias, gamma, beta, scale, z, out, colsum,
-                              colsumsq, moments, precision, training, scale_before_bn, softmax,
-                              eps, group_name, needs):
+                              colsumsq, moments, needs, **config):
+    # config: the settings given (HeadConfig's fields, keyword-only); no shape depends on them.
     torch._check(grad.dim() == 2, lambda: "grad must be 2-D")
     m, n = grad.shape
     grad_x = grad.new_empty((m, weight.shape[1]) if needs[0] else (0,))
@@ -94,13 +103,14 @@ def _fused_head_backward_fake(grad, x, weight, bias, gamma, beta, scale, z, out,
 
 
 @torch.library.register_fake("epifuse::synced_batch_fold")
-def _synced_batch_fold_fake(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps,
-                            group_name):
+def _synced_batch_fold_fake(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, *,
+                            eps=_D.eps, group_name=_D.group_name):
     n = colsum.shape[0]
     return (colsum.new_empty((n,), dtype=torch.float32), colsum.new_empty((n,), dtype=torch.float32),
             colsum.new_empty((2 * n + 1,), dtype=_F64))
 
 
 @torch.library.register_fake("epifuse::synced_grad_sums")
-def _synced_grad_sums_fake(sums, moments, bias, gamma, pre_scale, post_scale, eps, group_name):
+def _synced_grad_sums_fake(sums, moments, bias, gamma, pre_scale, post_scale, *, eps=_D.eps,
+                           group_name=_D.group_name):
     return torch.empty_like(sums)

@@ -15,13 +15,16 @@ epifuse ops:
 
 Anything else runs the reference module sequence, so results (and PyTorch's
 own error messages for bad input) are those of the reference model.
+
+The settings travel as one ``HeadConfig`` (head_config.py): the model's spec gives where the
+scale sits and whether a softmax ends the head, each forward adds the precision, the BatchNorm's
+mode, momentum and eps, and the process group; the ops get them as keyword arguments.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 
 from . import distributed, fold, ops
 from .fused_head import fused_head
+from .head_config import HeadConfig, split_scale
 from .precision import resolve_precision
 
 # Read once: the NVTX ranges cost nothing unless asked for at import time.
@@ -44,12 +48,10 @@ def _range(name: str):
 _FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
-class HeadSpec:
-    """Where the model's ``scale`` sits and whether a softmax ends the head."""
-
-    scale_before_bn: bool  # problem 39: x * scale -> bn; problem 84: bn -> scale * x
-    softmax: bool
+# A model's spec: a HeadConfig of which the model sets where the ``scale`` sits and whether a
+# softmax ends the head (``HeadSpec(scale_before_bn=True, softmax=False)``: problem 39); run_head
+# fills in the rest from the module at each forward.
+HeadSpec = HeadConfig
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -160,7 +162,7 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
     return None
 
 
-def run_head(module: nn.Module, x: Tensor, spec: HeadSpec,
+def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
              reference: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
     """Forward of a head module: fused on supported inputs, ``reference(module, x)`` otherwise."""
     # Synchronized batch statistics in data-parallel training (None: not synchronized).
@@ -169,43 +171,43 @@ def run_head(module: nn.Module, x: Tensor, spec: HeadSpec,
     if _reason(parts, x) is not None:
         return reference(module, x) if group is None else _synced_reference(module, x, spec, group)
     bn = parts.bn
-    precision = resolve_precision(module.precision, x.dtype)
-    args = (x, parts.weight, parts.bias, parts.gamma, parts.beta, parts.scale,
-            parts.running_mean, parts.running_var, parts.num_batches_tracked,
-            spec, precision, bn.training, bn.momentum, bn.eps)
+    config = HeadConfig(precision=resolve_precision(module.precision, x.dtype),
+                        training=bn.training, scale_before_bn=spec.scale_before_bn,
+                        softmax=spec.softmax, momentum=bn.momentum, eps=bn.eps,
+                        group_name="" if group is None else group.group_name)
     if group is None and not (torch.is_grad_enabled() and (x.requires_grad or any(
-            p is not None and p.requires_grad for p in args[1:6]))):
-        return _fused_forward(*args)
-    return _differentiable_forward(*args, group)
+            p is not None and p.requires_grad
+            for p in (parts.weight, parts.bias, parts.gamma, parts.beta, parts.scale)))):
+        return _fused_forward(x, parts, config)
+    return _differentiable_forward(x, parts, config)
 
 
 # --------------------------------------------------------------------------- differentiable forward
 
-def _differentiable_forward(x, weight, bias, gamma, beta, scale, running_mean, running_var,
-                            num_batches_tracked, spec: HeadSpec, precision: str, training: bool,
-                            momentum: Optional[float], eps: float, group) -> Tensor:
+def _differentiable_forward(x: Tensor, parts: _Parts, config: HeadConfig) -> Tensor:
     """epifuse::fused_head, then the running-statistics update it leaves to its caller."""
-    group_name = "" if group is None else group.group_name
+    p = parts
     with _range("epifuse.fused_head"):
         out, _, colsum, colsumsq, moments = fused_head(
-            x, weight, bias, gamma, beta, scale, running_mean, running_var, precision, training,
-            spec.scale_before_bn, spec.softmax, eps, group_name)
-    if training:
+            x, p.weight, p.bias, p.gamma, p.beta, p.scale, p.running_mean, p.running_var,
+            **config.kwargs())
+    if config.training:
         with _range("epifuse.running_stats"), torch.no_grad():
-            if group is None:
+            if not config.group_name:
                 # bn_fold_train's update from the batch sums (its a, c repeat the op's).
-                pre, post = (scale, None) if spec.scale_before_bn else (None, scale)
-                ops.bn_fold_train(colsum, colsumsq, x.shape[0], bias, gamma, beta, pre, post,
-                                  running_mean, running_var, num_batches_tracked, momentum, eps)
+                pre, post = split_scale(config, p.scale)
+                ops.bn_fold_train(colsum, colsumsq, x.shape[0], p.bias, p.gamma, p.beta, pre, post,
+                                  p.running_mean, p.running_var, p.num_batches_tracked,
+                                  momentum=config.momentum, eps=config.eps)
             else:  # the merged moments; their count (all ranks' rows) stays on the device
-                n = gamma.numel()
-                fold.update_running_stats(running_mean, running_var, num_batches_tracked,
+                n = p.gamma.numel()
+                fold.update_running_stats(p.running_mean, p.running_var, p.num_batches_tracked,
                                           moments[:n], moments[n:2 * n], moments[2 * n],
-                                          momentum)
+                                          config.momentum)
     return out
 
 
-def _synced_reference(module: nn.Module, x: Tensor, spec: HeadSpec, group) -> Tensor:
+def _synced_reference(module: nn.Module, x: Tensor, spec: HeadConfig, group) -> Tensor:
     """The head in plain PyTorch ops with a synchronized BatchNorm (any device, any batch)."""
     gemm, bn = module.gemm, module.bn
     tracking = bn.track_running_stats
@@ -216,24 +218,23 @@ def _synced_reference(module: nn.Module, x: Tensor, spec: HeadSpec, group) -> Te
             bn.running_var if tracking else None, bn.num_batches_tracked if tracking else None,
             bn.momentum, bn.eps, group)
 
-    return reference_head(x, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale,
-                          None, None, spec, True, bn.eps, batch_norm=batch_norm)
+    return reference_head(x, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale, None, None,
+                          spec._replace(training=True, eps=bn.eps), batch_norm=batch_norm)
 
 
 # --------------------------------------------------------------------------- fused forward
 
-def _fused_forward(x, weight, bias, gamma, beta, scale, running_mean, running_var,
-                   num_batches_tracked, spec: HeadSpec, precision: str, training: bool,
-                   momentum: Optional[float], eps: float) -> Tensor:
-    pre, post = (scale, None) if spec.scale_before_bn else (None, scale)
-    if training:
+def _fused_forward(x: Tensor, parts: _Parts, config: HeadConfig) -> Tensor:
+    p = parts
+    pre, post = split_scale(config, p.scale)
+    if config.training:
         with _range("epifuse.gemm"):
-            z, colsum, colsumsq = ops.gemm_colstats(x, weight, precision)
+            z, colsum, colsumsq = ops.gemm_colstats(x, p.weight, config.precision)
         with _range("epifuse.fold"):
-            a, c = ops.bn_fold_train(colsum, colsumsq, x.shape[0], bias, gamma, beta, pre, post,
-                                     running_mean, running_var, num_batches_tracked,
-                                     momentum, eps)
-        if spec.softmax:
+            a, c = ops.bn_fold_train(colsum, colsumsq, x.shape[0], p.bias, p.gamma, p.beta, pre,
+                                     post, p.running_mean, p.running_var, p.num_batches_tracked,
+                                     momentum=config.momentum, eps=config.eps)
+        if config.softmax:
             with _range("epifuse.softmax"):
                 ops.affine_softmax_(z, a, c)
         else:
@@ -241,26 +242,30 @@ def _fused_forward(x, weight, bias, gamma, beta, scale, running_mean, running_va
                 ops.affine_(z, a, c)
         return z
     with _range("epifuse.fold"):
-        a, c = ops.bn_fold_eval(bias, gamma, beta, pre, post, running_mean, running_var, eps)
+        a, c = ops.bn_fold_eval(p.bias, p.gamma, p.beta, pre, post, p.running_mean,
+                                p.running_var, eps=config.eps)
     with _range("epifuse.gemm"):
-        y = ops.gemm_affine(x, weight, a, c, precision)
-    if spec.softmax:
+        y = ops.gemm_affine(x, p.weight, a, c, config.precision)
+    if config.softmax:
         with _range("epifuse.softmax"):
             ops.affine_softmax_(y, None, None)
     return y
 
 
 def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_var,
-                   spec: HeadSpec, training: bool, eps: float,
+                   config: HeadConfig,
                    batch_norm: Optional[Callable[[Tensor, Optional[Tensor], Optional[Tensor]],
                                                  Tensor]] = None) -> Tensor:
     """The head's math in plain PyTorch ops, without touching running statistics.
 
+    Of ``config`` it reads where the scale sits, the softmax, ``training`` and ``eps``.
+
     ``batch_norm(u, gamma, beta)``, if given, replaces the training-mode
     BatchNorm (the synchronized reference path passes nn.SyncBatchNorm's).
     """
+    training, eps = config.training, config.eps
     y = F.linear(x, weight, bias)
-    if spec.scale_before_bn:
+    if config.scale_before_bn:
         y = y * scale
     if training and batch_norm is not None:
         y = batch_norm(y, gamma, beta)
@@ -268,8 +273,8 @@ def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_va
         y = F.batch_norm(y, None, None, gamma, beta, True, 0.0, eps)
     else:
         y = F.batch_norm(y, running_mean, running_var, gamma, beta, False, 0.0, eps)
-    if not spec.scale_before_bn:
+    if not config.scale_before_bn:
         y = scale * y
-    if spec.softmax:
+    if config.softmax:
         y = torch.softmax(y, dim=1)
     return y

@@ -10,6 +10,11 @@ The head's two composite ops (``fused_head``, ``fused_head_backward``) are the e
 CPU and CUDA kernels are one C++ composite over the ops above (``cpp/ops/fused_head.cpp``), their
 fake kernels are in ``fused_head.py``.
 
+The head's settings (momentum, eps, training; head_config.py) are keyword-only with defaults, in
+the schemas and in every wrapper and kernel here; a kernel's defaults must be the schema's (the
+dispatcher leaves out keyword arguments equal to their default), so they are read from
+``head_config.DEFAULT``.
+
 Import it only after the library is loaded (``epifuse/__init__.py`` does).
 """
 
@@ -22,6 +27,7 @@ from torch import Tensor
 
 from . import fold
 from . import op_checks as _checks
+from .head_config import DEFAULT as _D
 
 OP_NAMES = (
     "epifuse::gemm_affine",
@@ -97,18 +103,20 @@ def gemm_colstats(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Te
 def bn_fold_train(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
                   gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
                   post_scale: Optional[Tensor], running_mean: Tensor, running_var: Tensor,
-                  num_batches_tracked: Tensor, momentum: Optional[float],
-                  eps: float) -> tuple[Tensor, Tensor]:
+                  num_batches_tracked: Tensor, *, momentum: Optional[float] = _D.momentum,
+                  eps: float = _D.eps) -> tuple[Tensor, Tensor]:
     """Training fold (float32 a, c); updates the running buffers in place."""
     return _bn_fold_train(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale,
-                          running_mean, running_var, num_batches_tracked, momentum, eps)
+                          running_mean, running_var, num_batches_tracked, momentum=momentum,
+                          eps=eps)
 
 
 def bn_fold_eval(bias: Optional[Tensor], gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
-                 post_scale: Optional[Tensor], running_mean: Tensor, running_var: Tensor,
-                 eps: float) -> tuple[Tensor, Tensor]:
+                 post_scale: Optional[Tensor], running_mean: Tensor, running_var: Tensor, *,
+                 eps: float = _D.eps) -> tuple[Tensor, Tensor]:
     """Eval fold (float32 a, c) from the running statistics."""
-    return _bn_fold_eval(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps)
+    return _bn_fold_eval(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var,
+                         eps=eps)
 
 
 def affine_softmax(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> Tensor:
@@ -133,13 +141,15 @@ def affine(z: Tensor, a: Tensor, c: Tensor) -> Tensor:
 
 def bn_fold_batch(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
                   gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
-                  post_scale: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                  post_scale: Optional[Tensor], *,
+                  eps: float = _D.eps) -> tuple[Tensor, Tensor, Tensor]:
     """Training fold without the running-statistics update: (a, c, moments).
 
     ``moments`` is ``fold.moments_vector`` of the batch statistics of u: float64
     ``[mean(N), var(N), count]``, what the backward normalizes with.
     """
-    return _bn_fold_batch(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps)
+    return _bn_fold_batch(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale,
+                          eps=eps)
 
 
 # Backward of a head (see fold.py's backward section for the math).
@@ -158,15 +168,16 @@ def head_grad_sums(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor]
 def head_grad_coefficients(sums: Tensor, global_sums: Optional[Tensor],
                            colsum: Optional[Tensor], colsumsq: Optional[Tensor],
                            moments: Tensor, bias: Optional[Tensor], gamma: Tensor, beta: Tensor,
-                           pre_scale: Optional[Tensor], post_scale: Optional[Tensor],
-                           training: bool, eps: float) -> tuple[Tensor, ...]:
+                           pre_scale: Optional[Tensor], post_scale: Optional[Tensor], *,
+                           training: bool = _D.training,
+                           eps: float = _D.eps) -> tuple[Tensor, ...]:
     """(coef [3, N] float32 = A, B, C of dz; grads of bias, gamma, beta, pre_scale, post_scale).
 
     Parameter gradients have the parameters' dtype and shape; an absent (None) parameter
     gets an empty gradient.
     """
     return _head_grad_coefficients(sums, global_sums, colsum, colsumsq, moments, bias, gamma,
-                                   beta, pre_scale, post_scale, training, eps)
+                                   beta, pre_scale, post_scale, training=training, eps=eps)
 
 
 def head_grad_z(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor], z: Tensor,
@@ -217,7 +228,8 @@ def _gemm_colstats_cpu(x, weight, precision):
 
 @torch.library.register_kernel("epifuse::bn_fold_train", "cpu")
 def _bn_fold_train_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale,
-                       running_mean, running_var, num_batches_tracked, momentum, eps):
+                       running_mean, running_var, num_batches_tracked, *, momentum=_D.momentum,
+                       eps=_D.eps):
     _checks.check_fold(bias, gamma, beta, pre_scale, post_scale, eps, "bn_fold_train")
     _checks.check_fold_train(colsum, colsumsq, count, gamma, running_mean, running_var,
                              num_batches_tracked, momentum)
@@ -228,7 +240,8 @@ def _bn_fold_train_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, po
 
 
 @torch.library.register_kernel("epifuse::bn_fold_eval", "cpu")
-def _bn_fold_eval_cpu(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps):
+def _bn_fold_eval_cpu(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, *,
+                      eps=_D.eps):
     _checks.check_fold(bias, gamma, beta, pre_scale, post_scale, eps, "bn_fold_eval")
     _checks.check_running(running_mean, "running_mean", gamma, "bn_fold_eval")
     _checks.check_running(running_var, "running_var", gamma, "bn_fold_eval")
@@ -268,7 +281,8 @@ def _affine_cpu(z, a, c):
 
 
 @torch.library.register_kernel("epifuse::bn_fold_batch", "cpu")
-def _bn_fold_batch_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps):
+def _bn_fold_batch_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, *,
+                       eps=_D.eps):
     if count < 2:
         raise ValueError(f"Expected more than 1 value per channel when training, got {count} rows")
     f = fold.fold_train(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps)
@@ -312,7 +326,7 @@ def _param_grad(values: Tensor, like: Optional[Tensor]) -> Tensor:
 
 @torch.library.register_kernel("epifuse::head_grad_coefficients", "cpu")
 def _head_grad_coefficients_cpu(sums, global_sums, colsum, colsumsq, moments, bias, gamma, beta,
-                                pre_scale, post_scale, training, eps):
+                                pre_scale, post_scale, *, training=_D.training, eps=_D.eps):
     if training and (colsum is None or colsumsq is None):
         raise RuntimeError("epifuse: training-mode coefficients need colsum and colsumsq")
     g = fold.grad_coefficients(sums, global_sums, colsum, colsumsq, moments, bias, gamma, beta,
@@ -360,13 +374,15 @@ def _gemm_colstats_fake(x, weight, precision):
 
 @torch.library.register_fake("epifuse::bn_fold_train")
 def _bn_fold_train_fake(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale,
-                        running_mean, running_var, num_batches_tracked, momentum, eps):
+                        running_mean, running_var, num_batches_tracked, *, momentum=_D.momentum,
+                        eps=_D.eps):
     n = colsum.shape[0]
     return _vec_f32(colsum, n), _vec_f32(colsum, n)
 
 
 @torch.library.register_fake("epifuse::bn_fold_eval")
-def _bn_fold_eval_fake(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps):
+def _bn_fold_eval_fake(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, *,
+                       eps=_D.eps):
     n = gamma.shape[0]
     return _vec_f32(gamma, n), _vec_f32(gamma, n)
 
@@ -394,7 +410,8 @@ def _affine_fake(z, a, c):
 
 
 @torch.library.register_fake("epifuse::bn_fold_batch")
-def _bn_fold_batch_fake(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps):
+def _bn_fold_batch_fake(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, *,
+                        eps=_D.eps):
     n = colsum.shape[0]
     return _vec_f32(colsum, n), _vec_f32(colsum, n), colsum.new_empty((2 * n + 1,), dtype=_F64)
 
@@ -413,7 +430,7 @@ def _head_grad_sums_fake(grad, out, rowdot, z):
 
 @torch.library.register_fake("epifuse::head_grad_coefficients")
 def _head_grad_coefficients_fake(sums, global_sums, colsum, colsumsq, moments, bias, gamma, beta,
-                                 pre_scale, post_scale, training, eps):
+                                 pre_scale, post_scale, *, training=_D.training, eps=_D.eps):
     n = gamma.shape[0]
 
     def like(t):

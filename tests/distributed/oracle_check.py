@@ -175,7 +175,7 @@ def check_case(number, scale, sizes, momentum, distinct, path, device, rank, fai
     with torch.no_grad():
         expected = head.reference_head(x.double().cpu(), *params.values(),
                                        buffers["bn.running_mean"], buffers["bn.running_var"],
-                                       new_spec(number), False, new.bn.eps)
+                                       new_spec(number)._replace(training=False, eps=new.bn.eps))
         expect("eval output", new(x), expected)
 
 

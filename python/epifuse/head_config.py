@@ -1,0 +1,54 @@
+"""``HeadConfig``: a head's settings, as the head ops take them (keyword-only, with defaults).
+
+The ops take their tensors positionally and their settings as keywords, e.g.
+``fused_head(x, weight, bias, gamma, beta, scale, running_mean, running_var, **config.kwargs())``;
+the per-pass ops take the few they use (``bn_fold_train(..., momentum=..., eps=...)``).
+
+The settings' one table on the C++ side is ``cpp/ops/head_config.h`` (``EPIFUSE_HEAD_CONFIG``): it
+generates the schemas' keyword sections, the C++ ``HeadConfig`` and the autograd's save/restore.
+This tuple has the same fields, in the same order and with the same defaults (tests/test_ops_cpu.py
+checks them against the schemas). Adding a setting: a row there, a field here.
+
+A NamedTuple rather than a dataclass: one is built per forward, and constructing it costs a
+fraction of a frozen dataclass's (host time counts for small batches).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+
+class HeadConfig(NamedTuple):
+    """A head's settings. The defaults are the schemas' (PyTorch's BatchNorm1d defaults)."""
+
+    # The GEMMs' math for float32 inputs: 'ieee' (SGEMM), '3xtf32' (split TF32, fp32 accuracy,
+    # what PyTorch's 'highest' maps to) or 'tf32'; 16-bit inputs ignore it ('' or any of these).
+    # The backward's dX / dW run in the same mode. epifuse.precision resolves user spellings.
+    precision: str = "3xtf32"
+    # BatchNorm normalizes with the batch's statistics (True) or the running ones (False).
+    training: bool = True
+    # Where the model's scale sits: before BatchNorm (problem 39: bn(z * scale)) or after it
+    # (problem 84: scale * bn(z)).
+    scale_before_bn: bool = False
+    # A row softmax ends the head (problem 84).
+    softmax: bool = False
+    # BatchNorm's momentum for the running-statistics update (None: cumulative average). The
+    # functional fused_head carries it unused; head.py passes it to bn_fold_train.
+    momentum: Optional[float] = 0.1
+    # BatchNorm's eps.
+    eps: float = 1e-5
+    # Non-empty: training statistics over the ranks of this process group (its group_name);
+    # '': this process's batch only.
+    group_name: str = ""
+
+    def kwargs(self) -> dict[str, Any]:
+        """Every setting by name: the keyword arguments of fused_head / fused_head_backward."""
+        return self._asdict()
+
+
+DEFAULT = HeadConfig()
+
+
+def split_scale(config: HeadConfig, scale):
+    """(pre_scale, post_scale) as the fold ops take them: the scale on its side of BatchNorm."""
+    return (scale, None) if config.scale_before_bn else (None, scale)

@@ -62,6 +62,7 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
                  eps=1e-5),
             case(colsum, colsumsq, m, None, gamma, beta, sn, None, *stats(), momentum=None,
                  eps=1e-3),
+            case(colsum, colsumsq, m, bias, gamma, beta, sn, None, *stats()),  # the defaults
         ],
         "bn_fold_eval": [
             case(bias, gamma, beta, None, sn, *stats()[:2], eps=1e-5),

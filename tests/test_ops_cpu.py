@@ -9,6 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from epifuse import ops
+from epifuse.head_config import DEFAULT, HeadConfig
 from op_samples import DTYPES, all_cases, op, samples
 
 CASES = [pytest.param(name, d, i, id=f"{name}-{d}-{i}") for name, d, i in all_cases()]
@@ -34,6 +35,44 @@ def test_fake_kernel_matches_cpu_kernel(name, dtype_id, index):
             assert f is None
             continue
         assert (f.shape, f.dtype, f.device) == (r.shape, r.dtype, r.device)
+
+
+# The head ops' keyword-only settings, in schema order (cpp/ops/head_config.h's table).
+HEAD_OP_SETTINGS = {
+    "fused_head": HeadConfig._fields,
+    "fused_head_backward": HeadConfig._fields,
+    "bn_fold_train": ("momentum", "eps"),
+    "bn_fold_eval": ("eps",),
+    "bn_fold_batch": ("eps",),
+    "head_grad_coefficients": ("training", "eps"),
+    "synced_batch_fold": ("eps", "group_name"),
+    "synced_grad_sums": ("eps", "group_name"),
+}
+
+
+@pytest.mark.parametrize("name", HEAD_OP_SETTINGS)
+def test_head_op_settings_are_keyword_only_with_defaults(name):
+    """Tensors (and counts, needs) positional; settings keyword-only, defaulted as HeadConfig."""
+    arguments = getattr(torch.ops.epifuse, name).default._schema.arguments
+    keyword = [a for a in arguments if a.kwarg_only]
+    assert tuple(a.name for a in keyword) == HEAD_OP_SETTINGS[name]
+    for a in keyword:
+        assert a.has_default_value(), a.name
+        assert a.default_value == getattr(DEFAULT, a.name), a.name
+    assert not any(a.name in HeadConfig._fields for a in arguments if not a.kwarg_only)
+
+
+def test_fused_head_defaults_are_head_config_defaults():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.rand(6, 5, generator=g), torch.rand(4, 5, generator=g)
+    params = [torch.rand(4, generator=g) + 0.5 for _ in range(6)]
+    tensors = (x, w, *params)
+    by_default = torch.ops.epifuse.fused_head(*tensors)
+    spelled_out = torch.ops.epifuse.fused_head(*tensors, **DEFAULT.kwargs())
+    for a, b in zip(by_default, spelled_out, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError):  # settings are keyword-only
+        torch.ops.epifuse.fused_head(*tensors, "ieee")
 
 
 def test_gemm_affine_cpu_values():

@@ -76,15 +76,20 @@ struct HeadConfig {
 // kernels' trailing parameters).
 inline std::string head_schema_kwargs(std::initializer_list<const char*> names = {}) {
   std::string out = "*";
+  size_t found = 0;
   auto add = [&](const char* name, const char* schema_type, const char* schema_default) {
     bool wanted = names.size() == 0;
     for (const char* n : names) wanted = wanted || std::string(n) == name;
-    if (wanted) out = out + ", " + schema_type + " " + name + "=" + schema_default;
+    if (!wanted) return;
+    out = out + ", " + schema_type + " " + name + "=" + schema_default;
+    ++found;
   };
 #define EPIFUSE_HEAD_SCHEMA_(name, type, arg_type, schema_type, schema_default) \
   add(#name, schema_type, schema_default);
   EPIFUSE_HEAD_CONFIG(EPIFUSE_HEAD_SCHEMA_)
 #undef EPIFUSE_HEAD_SCHEMA_
+  TORCH_CHECK(names.size() == 0 || found == names.size(),
+              "epifuse: head_schema_kwargs was asked for a setting that EPIFUSE_HEAD_CONFIG lacks");
   return out;
 }
 

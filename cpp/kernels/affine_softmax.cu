@@ -12,7 +12,9 @@
 //  - rows_looped, wider rows: online max/sum over the row, then a second read to write.
 // Accesses are 16-byte vectors when the rows are 16-byte aligned; otherwise element-wise (register
 // kernel up to 32 elements per thread, then the looped kernel).
-// All arithmetic is fp32; the output is in the input dtype. Works in place (in == out).
+// All arithmetic is fp32; the output is in the input dtype, or fp32 from a 16-bit input (autocast:
+// the kernels are templated on the input T and output O; the vector width is T's 16 bytes, stored
+// as one or two 16-byte vectors of O). Works in place (in == out, same dtype).
 #include <algorithm>
 #include <cfloat>
 
@@ -38,7 +40,7 @@ __device__ __forceinline__ float lanes_sum(float v) {
   return v;
 }
 
-// exp for the softmax numerators. 16-bit outputs cannot see the difference between expf and the
+// exp for the softmax numerators (T: the output type). 16-bit outputs cannot see the difference between expf and the
 // hardware exp2 (a few fp32 ulp), so they take the cheaper one: at 2 bytes per element the pass
 // would otherwise be bound by expf's instruction count rather than by memory bandwidth.
 template <class T>
@@ -96,10 +98,10 @@ __device__ __forceinline__ void load_affine(const T* src, int64_t col0, const fl
 template <class T, int kVec>
 __device__ __forceinline__ void store_scaled(T* dst, const float* e, float inv_sum) {
   if constexpr (kVec > 1) {
-    Vec16<T> res;
+    Vec<T, kVec> res;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) res.v[j] = from_float<T>(e[j] * inv_sum);
-    *reinterpret_cast<Vec16<T>*>(dst) = res;
+    *reinterpret_cast<Vec<T, kVec>*>(dst) = res;
   } else {
     *dst = from_float<T>(e[0] * inv_sum);
   }
@@ -108,9 +110,9 @@ __device__ __forceinline__ void store_scaled(T* dst, const float* e, float inv_s
 // kThreadsPerRow threads own one row (4..32 lanes of a warp, or 2..32 whole warps); each thread
 // holds kElems elements in kElems / kVec vectors,
 // vector i of thread t covering columns (i * kThreadsPerRow + t) * kVec + [0, kVec).
-template <class T, int kVec, int kElems, int kThreadsPerRow, int kBlock>
+template <class T, class O, int kVec, int kElems, int kThreadsPerRow, int kBlock>
 __global__ void __launch_bounds__(kBlock)
-rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
                   const float* __restrict__ a, const float* __restrict__ c) {
   static_assert(kBlock % kThreadsPerRow == 0, "a block holds whole rows");
   constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
@@ -152,7 +154,7 @@ rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int6
   float thread_sum = 0.f;
 #pragma unroll
   for (int k = 0; k < kElems; ++k) {
-    vals[k] = softmax_exp<T>(vals[k] - row_max);
+    vals[k] = softmax_exp<O>(vals[k] - row_max);
     thread_sum += vals[k];
   }
   row_slots = slots[1] + row_in_block * kWarpsPerRow;
@@ -164,7 +166,7 @@ rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int6
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int64_t col0 = (int64_t(i) * kThreadsPerRow + t) * kVec;
-    if (col0 < N) store_scaled<T, kVec>(out + row * ld_out + col0, vals + i * kVec, inv_sum);
+    if (col0 < N) store_scaled<O, kVec>(out + row * ld_out + col0, vals + i * kVec, inv_sum);
   }
 }
 
@@ -186,9 +188,9 @@ __device__ __forceinline__ void cp_async_wait() {
 // kStages - 1 rows are in flight while one is reduced. kInRegisters: the row's values stay in
 // registers between the passes (kVecs * kVec floats); otherwise each pass re-reads shared memory,
 // which lets a row use up to all of it.
-template <class T, int kThreads, int kVecs, int kStages, bool kInRegisters>
+template <class T, class O, int kThreads, int kVecs, int kStages, bool kInRegisters>
 __global__ void __launch_bounds__(kThreads)
-rows_staged(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+rows_staged(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
             const float* __restrict__ a, const float* __restrict__ c) {
   constexpr int kVec = Vec16<T>::kSize;
   constexpr int kWarps = kThreads / 32;
@@ -250,7 +252,7 @@ rows_staged(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld
       }
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float e = softmax_exp<T>(v[j] - row_max);
+        const float e = softmax_exp<O>(v[j] - row_max);
         thread_sum += e;
         if constexpr (kInRegisters) cache[i * kVec + j] = e;
       }
@@ -258,7 +260,7 @@ rows_staged(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld
     const float row_sum = row_combine<kWarps, false>(lanes_sum<32>(thread_sum), slots[1], warp);
     const float inv_sum = 1.f / row_sum;
 
-    T* dst = out + row * ld_out;
+    O* dst = out + row * ld_out;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       if (col_of(i) >= N) continue;
@@ -269,9 +271,9 @@ rows_staged(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld
       } else {
         values(stage, i, e);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) e[j] = softmax_exp<T>(e[j] - row_max);
+        for (int j = 0; j < kVec; ++j) e[j] = softmax_exp<O>(e[j] - row_max);
       }
-      store_scaled<T, kVec>(dst + col_of(i), e, inv_sum);
+      store_scaled<O, kVec>(dst + col_of(i), e, inv_sum);
     }
     // The two row_combine calls above reuse slots[0] / slots[1] on the next row; the barrier in the
     // sum's combine orders every warp's read of slots[0] before any warp's next write of it, and the
@@ -292,14 +294,14 @@ __device__ __forceinline__ MaxSum merge(MaxSum x, MaxSum y) {
 }
 
 // Rows too wide for the other kernels: one block per row, reading the row twice.
-template <class T, int kVec>
+template <class T, class O, int kVec>
 __global__ void __launch_bounds__(1024)
-rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
             const float* __restrict__ a, const float* __restrict__ c) {
   __shared__ MaxSum warp_parts[32];
   const int64_t row = blockIdx.x;
   const T* src = in + row * ld_in;
-  T* dst = out + row * ld_out;
+  O* dst = out + row * ld_out;
 
   MaxSum acc{-INFINITY, 0.f};
   for (int64_t col0 = int64_t(threadIdx.x) * kVec; col0 < N; col0 += int64_t(blockDim.x) * kVec) {
@@ -323,8 +325,8 @@ rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld
     float v[kVec];
     load_affine<T, kVec>(src + col0, col0, a, c, v);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) v[j] = softmax_exp<T>(v[j] - total.m);
-    store_scaled<T, kVec>(dst + col0, v, inv_sum);
+    for (int j = 0; j < kVec; ++j) v[j] = softmax_exp<O>(v[j] - total.m);
+    store_scaled<O, kVec>(dst + col0, v, inv_sum);
   }
 }
 
@@ -340,19 +342,19 @@ struct RowsArgs {
 };
 
 // kBlock: threads per block (default: 256, or one row if wider).
-template <class T, int kVec, int kElems, int kThreadsPerRow,
+template <class T, class O, int kVec, int kElems, int kThreadsPerRow,
           int kBlock = (kThreadsPerRow > kNarrowBlock ? kThreadsPerRow : kNarrowBlock)>
 void launch_in_registers(const RowsArgs& r) {
   constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
   const int64_t blocks = (r.M + kRowsPerBlock - 1) / kRowsPerBlock;
-  rows_in_registers<T, kVec, kElems, kThreadsPerRow, kBlock><<<dim3(unsigned(blocks)), kBlock, 0, r.stream>>>(
-      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<T*>(r.out), r.ld_out, r.a, r.c);
+  rows_in_registers<T, O, kVec, kElems, kThreadsPerRow, kBlock><<<dim3(unsigned(blocks)), kBlock, 0, r.stream>>>(
+      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<O*>(r.out), r.ld_out, r.a, r.c);
 }
 
-template <class T, int kVec>
+template <class T, class O, int kVec>
 void launch_looped(const RowsArgs& r) {
-  rows_looped<T, kVec><<<dim3(unsigned(r.M)), 1024, 0, r.stream>>>(
-      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<T*>(r.out), r.ld_out, r.a, r.c);
+  rows_looped<T, O, kVec><<<dim3(unsigned(r.M)), 1024, 0, r.stream>>>(
+      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<O*>(r.out), r.ld_out, r.a, r.c);
 }
 
 // Shared memory of a rows_staged launch: kStages rows of kVecs 16-byte chunks per thread.
@@ -363,10 +365,10 @@ constexpr size_t staged_bytes() {
 
 // Launches rows_staged on a persistent grid (as many blocks as fit on the GPU at once, at most one
 // per row). Returns false when the configuration does not fit this GPU's shared memory.
-template <class T, int kThreads, int kVecs, int kStages, bool kInRegisters>
+template <class T, class O, int kThreads, int kVecs, int kStages, bool kInRegisters>
 bool launch_staged(const RowsArgs& r) {
   constexpr size_t kSmem = staged_bytes<kThreads, kVecs, kStages>();
-  auto kernel = rows_staged<T, kThreads, kVecs, kStages, kInRegisters>;
+  auto kernel = rows_staged<T, O, kThreads, kVecs, kStages, kInRegisters>;
   // Blocks per SM, per device: queried once (the attribute above 48 KiB must be set per device).
   static std::array<int, 128> per_sm_cache{};  // 0: not yet queried, -1: does not fit
   const int device = current_device();
@@ -387,7 +389,7 @@ bool launch_staged(const RowsArgs& r) {
   if (per_sm < 0) return false;
   const int64_t blocks = std::min<int64_t>(r.M, int64_t(per_sm) * std::max(sm_count(device), 1));
   kernel<<<dim3(unsigned(blocks)), kThreads, kSmem, r.stream>>>(
-      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<T*>(r.out), r.ld_out, r.a, r.c);
+      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<O*>(r.out), r.ld_out, r.a, r.c);
   return true;
 }
 
@@ -398,69 +400,71 @@ bool launch_staged(const RowsArgs& r) {
 //  - wider: one row per block on a persistent grid, the next rows staged with cp.async (78-84%);
 //    narrow blocks with more vectors per thread and deeper staging won up to 512 vectors, and fp32
 //    and 16-bit rows of the same bytes prefer different shapes at 256 vectors.
-template <class T>
+template <class T, class O>
 void launch_vectorized(const RowsArgs& r) {
   constexpr int kVec = Vec16<T>::kSize;
   constexpr bool k16Bit = sizeof(T) == 2;
   const int64_t vecs = r.N / kVec;
-  if (vecs <= 4) return launch_in_registers<T, kVec, kVec, 4>(r);
-  if (vecs <= 8) return launch_in_registers<T, kVec, kVec, 8>(r);
-  if (vecs <= 16) return launch_in_registers<T, kVec, kVec, 16>(r);
-  if (vecs <= 32) return launch_in_registers<T, kVec, kVec, 32, 128>(r);
-  if (vecs <= 64) return launch_in_registers<T, kVec, 2 * kVec, 32, 128>(r);
-  if (vecs <= 128) return launch_in_registers<T, kVec, 4 * kVec, 32, 64>(r);
+  if (vecs <= 4) return launch_in_registers<T, O, kVec, kVec, 4>(r);
+  if (vecs <= 8) return launch_in_registers<T, O, kVec, kVec, 8>(r);
+  if (vecs <= 16) return launch_in_registers<T, O, kVec, kVec, 16>(r);
+  if (vecs <= 32) return launch_in_registers<T, O, kVec, kVec, 32, 128>(r);
+  if (vecs <= 64) return launch_in_registers<T, O, kVec, 2 * kVec, 32, 128>(r);
+  if (vecs <= 128) return launch_in_registers<T, O, kVec, 4 * kVec, 32, 64>(r);
   // One row per block; <threads, vectors per thread in registers, rows in flight>.
-  if (vecs <= 256 && (k16Bit ? launch_staged<T, 128, 2, 4, true>(r)
-                             : launch_staged<T, 32, 8, 2, true>(r))) return;
-  if (vecs <= 512 && launch_staged<T, 128, 4, 2, true>(r)) return;
+  if (vecs <= 256 && (k16Bit ? launch_staged<T, O, 128, 2, 4, true>(r)
+                             : launch_staged<T, O, 32, 8, 2, true>(r))) return;
+  if (vecs <= 512 && launch_staged<T, O, 128, 4, 2, true>(r)) return;
   // 1024 vectors (problem 84's 8192 columns): 512x2 was 3% faster for bf16 on 4096 cold rows, but
   // 256x4 is 10% faster on the head's own pass (1024 rows, in place, with the affine, z in L2).
-  if (vecs <= 1024 && launch_staged<T, 256, 4, 2, true>(r)) return;
-  if (vecs <= 2048 && launch_staged<T, 512, 4, 2, true>(r)) return;
-  if (vecs <= 4096 && launch_staged<T, 1024, 4, 2, true>(r)) return;
+  if (vecs <= 1024 && launch_staged<T, O, 256, 4, 2, true>(r)) return;
+  if (vecs <= 2048 && launch_staged<T, O, 512, 4, 2, true>(r)) return;
+  if (vecs <= 4096 && launch_staged<T, O, 1024, 4, 2, true>(r)) return;
   // Rows of up to 128 KiB live in shared memory alone (one stage: no overlap between rows).
-  if (vecs <= 8192 && launch_staged<T, 1024, 8, 1, false>(r)) return;
-  launch_looped<T, kVec>(r);
+  if (vecs <= 8192 && launch_staged<T, O, 1024, 8, 1, false>(r)) return;
+  launch_looped<T, O, kVec>(r);
 }
 
 // Element-wise (rows or vectors not 16-byte aligned).
-template <class T>
+template <class T, class O>
 void launch_elementwise(const RowsArgs& r) {
   constexpr int E = kMaxElemsPerThread;
   const int64_t N = r.N;
-  if (N <= 4) return launch_in_registers<T, 1, 1, 4>(r);
-  if (N <= 8) return launch_in_registers<T, 1, 1, 8>(r);
-  if (N <= 16) return launch_in_registers<T, 1, 1, 16>(r);
-  if (N <= 32) return launch_in_registers<T, 1, 1, 32>(r);
-  if (N <= 64) return launch_in_registers<T, 1, 2, 32>(r);
-  if (N <= 128) return launch_in_registers<T, 1, 2, 64>(r);
-  if (N <= 256) return launch_in_registers<T, 1, 2, 128>(r);
-  if (N <= 512) return launch_in_registers<T, 1, 2, 256>(r);
-  if (N <= 1024) return launch_in_registers<T, 1, 4, 256>(r);
-  if (N <= 2048) return launch_in_registers<T, 1, 8, 256>(r);
-  if (N <= 4096) return launch_in_registers<T, 1, 16, 256>(r);
-  if (N <= 256 * E) return launch_in_registers<T, 1, E, 256>(r);
-  if (N <= 512 * E) return launch_in_registers<T, 1, E, 512>(r);
-  if (N <= 1024 * E) return launch_in_registers<T, 1, E, 1024>(r);
-  launch_looped<T, 1>(r);
+  if (N <= 4) return launch_in_registers<T, O, 1, 1, 4>(r);
+  if (N <= 8) return launch_in_registers<T, O, 1, 1, 8>(r);
+  if (N <= 16) return launch_in_registers<T, O, 1, 1, 16>(r);
+  if (N <= 32) return launch_in_registers<T, O, 1, 1, 32>(r);
+  if (N <= 64) return launch_in_registers<T, O, 1, 2, 32>(r);
+  if (N <= 128) return launch_in_registers<T, O, 1, 2, 64>(r);
+  if (N <= 256) return launch_in_registers<T, O, 1, 2, 128>(r);
+  if (N <= 512) return launch_in_registers<T, O, 1, 2, 256>(r);
+  if (N <= 1024) return launch_in_registers<T, O, 1, 4, 256>(r);
+  if (N <= 2048) return launch_in_registers<T, O, 1, 8, 256>(r);
+  if (N <= 4096) return launch_in_registers<T, O, 1, 16, 256>(r);
+  if (N <= 256 * E) return launch_in_registers<T, O, 1, E, 256>(r);
+  if (N <= 512 * E) return launch_in_registers<T, O, 1, E, 512>(r);
+  if (N <= 1024 * E) return launch_in_registers<T, O, 1, E, 1024>(r);
+  launch_looped<T, O, 1>(r);
 }
 
 }  // namespace
 
-void affine_softmax(DType dtype, int64_t M, int64_t N, const void* in, int64_t ld_in, void* out,
-                    int64_t ld_out, const float* a, const float* c, cudaStream_t stream) {
+void affine_softmax(DType in_dtype, int64_t M, int64_t N, const void* in, int64_t ld_in,
+                    DType out_dtype, void* out, int64_t ld_out, const float* a, const float* c,
+                    cudaStream_t stream) {
   if (M == 0 || N == 0) return;
   const RowsArgs r{M, N, in, ld_in, out, ld_out, a, c, stream};
-  dispatch_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
+  dispatch_in_out(in_dtype, out_dtype, [&](auto in_tag, auto out_tag) {
+    using T = decltype(in_tag);
+    using O = decltype(out_tag);
     constexpr int kVec = Vec16<T>::kSize;
     const bool affine_aligned = a == nullptr || (is_aligned16(a) && is_aligned16(c));
     const bool vectorizable = N % kVec == 0 && ld_in % kVec == 0 && ld_out % kVec == 0 &&
                               is_aligned16(in) && is_aligned16(out) && affine_aligned;
     if (vectorizable) {
-      launch_vectorized<T>(r);
+      launch_vectorized<T, O>(r);
     } else {
-      launch_elementwise<T>(r);
+      launch_elementwise<T, O>(r);
     }
   });
   check_launch("affine_softmax");

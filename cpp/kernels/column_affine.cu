@@ -1,7 +1,8 @@
 // out[m, n] = a[n] * in[m, n] + c[n], in place (in == out) or into a new tensor: the training-mode
 // epilogue of a head without softmax, applied once the batch statistics (and so a, c) are known (out
 // of place when the backward keeps z). One read and one write per element, 16-byte vectors when the
-// rows allow it.
+// rows allow it. The output may be wider than the input (a 16-bit z written as the fp32 output of a
+// head under autocast): a thread then moves the input's 16 bytes and as many output elements.
 // Each thread owns one vector of columns for a band of rows: it loads its kVec (a, c) pairs once
 // and then streams the band with kUnroll loads in flight, so the pass is bound by DRAM bandwidth
 // rather than by per-element parameter loads or index arithmetic.
@@ -15,12 +16,11 @@ namespace {
 
 constexpr int kUnroll = 4;
 
-template <class T, int kVec>
+template <class T, class O, int kVec>
 __global__ void __launch_bounds__(256)
-column_affine_kernel(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+column_affine_kernel(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
                      const float* __restrict__ a, const float* __restrict__ c,
                      int64_t rows_per_block) {
-  using V = Vec16<T>;
   const int64_t col0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
   if (col0 >= N) return;  // kVec > 1 implies N % kVec == 0
   float av[kVec], cv[kVec];
@@ -32,40 +32,53 @@ column_affine_kernel(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, i
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
   const int64_t r1 = std::min<int64_t>(M, r0 + rows_per_block);
   const T* src = in + col0;
-  T* dst = out + col0;
-  auto load = [&](int64_t r, T (&v)[kVec]) {
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<V*>(v) = *reinterpret_cast<const V*>(src + r * ld_in);
-    } else {
-      v[0] = src[r * ld_in];
-    }
-  };
-  auto apply_store = [&](int64_t r, T (&v)[kVec]) {
+  O* dst = out + col0;
+  auto load = [&](int64_t r, Vec<T, kVec>& v) { v = *reinterpret_cast<const Vec<T, kVec>*>(src + r * ld_in); };
+  auto apply_store = [&](int64_t r, const Vec<T, kVec>& v) {
+    Vec<O, kVec> o;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) v[j] = from_float<T>(av[j] * to_float(v[j]) + cv[j]);
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<V*>(dst + r * ld_out) = *reinterpret_cast<V*>(v);
-    } else {
-      dst[r * ld_out] = v[0];
-    }
+    for (int j = 0; j < kVec; ++j) o.v[j] = from_float<O>(av[j] * to_float(v.v[j]) + cv[j]);
+    *reinterpret_cast<Vec<O, kVec>*>(dst + r * ld_out) = o;
   };
   int64_t r = r0;
   for (; r + kUnroll <= r1; r += kUnroll) {
-    T v[kUnroll][kVec];
+    Vec<T, kVec> v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) load(r + u, v[u]);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) apply_store(r + u, v[u]);
   }
   for (; r < r1; ++r) {
-    T v[kVec];
+    Vec<T, kVec> v;
     load(r, v);
     apply_store(r, v);
   }
 }
 
-template <class T, int kVec>
-void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld_out,
+// One element: unaligned rows.
+template <class T, class O>
+__global__ void __launch_bounds__(256)
+column_affine_kernel_1(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
+                       const float* __restrict__ a, const float* __restrict__ c,
+                       int64_t rows_per_block) {
+  const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= N) return;
+  const float av = __ldg(a + col), cv = __ldg(c + col);
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
+  const int64_t r1 = std::min<int64_t>(M, r0 + rows_per_block);
+  int64_t r = r0;
+  for (; r + kUnroll <= r1; r += kUnroll) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = in[(r + u) * ld_in + col];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) out[(r + u) * ld_out + col] = from_float<O>(av * to_float(v[u]) + cv);
+  }
+  for (; r < r1; ++r) out[r * ld_out + col] = from_float<O>(av * to_float(in[r * ld_in + col]) + cv);
+}
+
+template <class T, class O, int kVec>
+void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
             const float* a, const float* c, cudaStream_t stream) {
   const int64_t vecs = N / kVec;
   const int threads = int(std::min<int64_t>(256, (vecs + 31) / 32 * 32));
@@ -76,25 +89,32 @@ void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, T* out, int64_t ld
   const int64_t bands = std::min<int64_t>({want, (M + kUnroll - 1) / kUnroll, 65535});
   const int64_t rows_per_block = (M + bands - 1) / bands;
   const dim3 grid(unsigned(col_blocks), unsigned((M + rows_per_block - 1) / rows_per_block));
-  column_affine_kernel<T, kVec><<<grid, threads, 0, stream>>>(M, N, in, ld_in, out, ld_out, a, c,
+  if constexpr (kVec == 1) {
+    column_affine_kernel_1<T, O><<<grid, threads, 0, stream>>>(M, N, in, ld_in, out, ld_out, a, c,
                                                                rows_per_block);
+  } else {
+    column_affine_kernel<T, O, kVec><<<grid, threads, 0, stream>>>(M, N, in, ld_in, out, ld_out, a,
+                                                                   c, rows_per_block);
+  }
 }
 
 }  // namespace
 
-void column_affine_into(DType dtype, int64_t M, int64_t N, const void* in, int64_t ld_in, void* out,
-                        int64_t ld_out, const float* a, const float* c, cudaStream_t stream) {
+void column_affine_into(DType in_dtype, int64_t M, int64_t N, const void* in, int64_t ld_in,
+                        DType out_dtype, void* out, int64_t ld_out, const float* a, const float* c,
+                        cudaStream_t stream) {
   if (M == 0 || N == 0) return;
-  dispatch_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int kVec = Vec16<T>::kSize;
+  dispatch_in_out(in_dtype, out_dtype, [&](auto in_tag, auto out_tag) {
+    using T = decltype(in_tag);
+    using O = decltype(out_tag);
+    constexpr int kVec = kNarrowVec<T, O>;
     const T* src = static_cast<const T*>(in);
-    T* dst = static_cast<T*>(out);
+    O* dst = static_cast<O*>(out);
     if (N % kVec == 0 && ld_in % kVec == 0 && ld_out % kVec == 0 && is_aligned16(in) &&
         is_aligned16(out)) {
-      launch<T, kVec>(M, N, src, ld_in, dst, ld_out, a, c, stream);
+      launch<T, O, kVec>(M, N, src, ld_in, dst, ld_out, a, c, stream);
     } else {
-      launch<T, 1>(M, N, src, ld_in, dst, ld_out, a, c, stream);
+      launch<T, O, 1>(M, N, src, ld_in, dst, ld_out, a, c, stream);
     }
   });
   check_launch("column_affine");
@@ -102,7 +122,7 @@ void column_affine_into(DType dtype, int64_t M, int64_t N, const void* in, int64
 
 void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
                    const float* c, cudaStream_t stream) {
-  column_affine_into(dtype, M, N, z, ld, z, ld, a, c, stream);
+  column_affine_into(dtype, M, N, z, ld, dtype, z, ld, a, c, stream);
 }
 
 }  // namespace epifuse

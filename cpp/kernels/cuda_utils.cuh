@@ -64,12 +64,33 @@ void dispatch_dtype(DType dtype, Fn&& fn) {
   throw std::runtime_error("epifuse: unknown dtype");
 }
 
-// 16-byte vector of T, the unit of the row passes' global memory accesses.
-template <class T>
-struct alignas(16) Vec16 {
-  static constexpr int kSize = 16 / sizeof(T);
-  T v[kSize];
+// kN consecutive elements of T, 16-byte aligned: the unit of the row passes' global memory
+// accesses. Vec16<T> is one 16-byte access; a pass whose input and output types differ (a 16-bit z
+// read, an fp32 output written under autocast) moves the narrow type's 16 bytes and the same number
+// of wide elements, i.e. several 16-byte accesses of the wide type.
+template <class T, int kN = int(16 / sizeof(T))>
+struct alignas(16) Vec {
+  static_assert(kN * sizeof(T) % 16 == 0, "whole 16-byte accesses");
+  static constexpr int kSize = kN;
+  T v[kN];
 };
+template <class T>
+using Vec16 = Vec<T>;
+
+// Elements per 16 bytes of the narrower of two types: the vector width of a pass reading (or
+// writing) both.
+template <class A, class B>
+constexpr int kNarrowVec = Vec16<A>::kSize > Vec16<B>::kSize ? Vec16<A>::kSize : Vec16<B>::kSize;
+
+// Calls fn(In{}, Out{}) for the pairs the row passes take: one dtype throughout, or a 16-bit input
+// with an fp32 output (autocast: z in the GEMM's 16-bit dtype, the head's output in fp32).
+template <class Fn>
+void dispatch_in_out(DType in, DType out, Fn&& fn) {
+  if (in == out) return dispatch_dtype(in, [&](auto tag) { fn(tag, tag); });
+  if (out == DType::kFloat32 && in != DType::kFloat32)
+    return dispatch_dtype(in, [&](auto tag) { fn(tag, float{}); });
+  throw std::runtime_error("epifuse: unsupported input/output dtype pair");
+}
 
 inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 

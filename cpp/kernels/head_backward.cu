@@ -24,11 +24,14 @@
 namespace epifuse {
 namespace {
 
-// A row's kVec elements as loaded: one 16-byte vector, or one element when kVec == 1.
+// Under autocast g and out are the head's fp32 output (and its gradient) while z is the GEMM's 16-bit
+// output: the kernels take G (g, out) and Z (z, dz), and a vector is the narrower type's 16 bytes.
+
+// A row's kVec elements as loaded: whole 16-byte vectors, or one element when kVec == 1.
 template <class T, int kVec>
 struct RowVec {
-  Vec16<T> v;
-  __device__ __forceinline__ void load(const T* p) { v = *reinterpret_cast<const Vec16<T>*>(p); }
+  Vec<T, kVec> v;
+  __device__ __forceinline__ void load(const T* p) { v = *reinterpret_cast<const Vec<T, kVec>*>(p); }
   __device__ __forceinline__ float operator[](int j) const { return to_float(v.v[j]); }
 };
 template <class T>
@@ -41,7 +44,7 @@ struct RowVec<T, 1> {
 // Loads kVec consecutive elements (one 16-byte vector, or one element when kVec == 1) as fp32.
 template <class T, int kVec>
 __device__ __forceinline__ void load_floats(const T* p, float (&v)[kVec]) {
-  static_assert(kVec == 1 || kVec == Vec16<T>::kSize, "vector loads are 16 bytes");
+  static_assert(kVec == 1 || kVec % Vec16<T>::kSize == 0, "vector loads are whole 16 bytes");
   RowVec<T, kVec> r;
   r.load(p);
 #pragma unroll
@@ -49,24 +52,23 @@ __device__ __forceinline__ void load_floats(const T* p, float (&v)[kVec]) {
 }
 
 // dv (the gradient at the softmax's input, or g itself) and z at (row, col .. col + kVec).
-template <class T, int kVec, bool kSoftmax>
+template <class G, class Z, int kVec, bool kSoftmax>
 __device__ __forceinline__ void load_dv_z(const GradOperands& o, int64_t row, int64_t col,
                                           float (&dv)[kVec], float (&z)[kVec]) {
-  load_floats<T, kVec>(static_cast<const T*>(o.g) + row * o.ld_g + col, dv);
+  load_floats<G, kVec>(static_cast<const G*>(o.g) + row * o.ld_g + col, dv);
   if constexpr (kSoftmax) {
     float out[kVec];
-    load_floats<T, kVec>(static_cast<const T*>(o.out) + row * o.ld_out + col, out);
+    load_floats<G, kVec>(static_cast<const G*>(o.out) + row * o.ld_out + col, out);
     const float r = __ldg(o.rowdot + row);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) dv[j] = out[j] * (dv[j] - r);
   }
-  load_floats<T, kVec>(static_cast<const T*>(o.z) + row * o.ld_z + col, z);
+  load_floats<Z, kVec>(static_cast<const Z*>(o.z) + row * o.ld_z + col, z);
 }
 
-// Whether every operand allows 16-byte vectors of T along its rows.
-template <class T>
+// Whether every operand allows vectors of kVec elements (whole 16-byte accesses) along its rows.
+template <int kVec>
 bool vectorizable(const GradOperands& o) {
-  constexpr int kVec = Vec16<T>::kSize;
   auto ok = [&](const void* p, int64_t ld) { return p == nullptr || (is_aligned16(p) && ld % kVec == 0); };
   return o.N % kVec == 0 && ok(o.g, o.ld_g) && ok(o.out, o.ld_out) && ok(o.z, o.ld_z);
 }
@@ -147,7 +149,7 @@ void launch_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream) {
 // the fp32 accumulation over all rows that PyTorch's BatchNorm backward does.
 constexpr int kCols = 32;
 
-template <class T, int kVec, bool kSoftmax, int kThreads, int kRowsInFlight>
+template <class G, class Z, int kVec, bool kSoftmax, int kThreads, int kRowsInFlight>
 __global__ void __launch_bounds__(kThreads)
 head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
   constexpr int kLanesPerRow = kCols / kVec;
@@ -163,12 +165,13 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
   const int64_t col = col0 + int64_t(sub) * kVec;
   double s1[kVec] = {}, s3[kVec] = {};
   if (col < o.N) {
-    const T* g = static_cast<const T*>(o.g) + col;
-    const T* z = static_cast<const T*>(o.z) + col;
-    const T* out = kSoftmax ? static_cast<const T*>(o.out) + col : nullptr;
+    const G* g = static_cast<const G*>(o.g) + col;
+    const Z* z = static_cast<const Z*>(o.z) + col;
+    const G* out = kSoftmax ? static_cast<const G*>(o.out) + col : nullptr;
     int64_t row = group;
     for (; row + (kRowsInFlight - 1) * kRowGroups < o.M; row += kRowsInFlight * kRowGroups) {
-      RowVec<T, kVec> gv[kRowsInFlight], zv[kRowsInFlight], ov[kSoftmax ? kRowsInFlight : 1];
+      RowVec<G, kVec> gv[kRowsInFlight], ov[kSoftmax ? kRowsInFlight : 1];
+      RowVec<Z, kVec> zv[kRowsInFlight];
       float r[kSoftmax ? kRowsInFlight : 1];
 #pragma unroll
       for (int i = 0; i < kRowsInFlight; ++i) {
@@ -198,7 +201,7 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
     }
     for (; row < o.M; row += kRowGroups) {
       float dv[kVec], zf[kVec];
-      load_dv_z<T, kVec, kSoftmax>(o, row, col, dv, zf);
+      load_dv_z<G, Z, kVec, kSoftmax>(o, row, col, dv, zf);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         s1[e] += dv[e];
@@ -234,7 +237,7 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
   if (blockIdx.x == 0 && threadIdx.x == 0) sums[2 * o.N] = double(o.M);
 }
 
-template <class T, int kVec, bool kSoftmax>
+template <class G, class Z, int kVec, bool kSoftmax>
 void launch_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
   const unsigned blocks = unsigned((o.N + kCols - 1) / kCols);
   // ~100 registers a thread: one 512-thread block or two 256-thread blocks fit an SM. Bands that fit
@@ -242,9 +245,9 @@ void launch_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
   // get 256 threads, two per SM, so that up to twice the SMs' bands run in one wave (problem 84:
   // 256 bands, 22.3 us against 23.8 with 512). Either way 2048 row vectors per block in flight.
   if (blocks > unsigned(sm_count(current_device()))) {
-    head_grad_sums_kernel<T, kVec, kSoftmax, 256, 8><<<blocks, 256, 0, stream>>>(o, sums);
+    head_grad_sums_kernel<G, Z, kVec, kSoftmax, 256, 8><<<blocks, 256, 0, stream>>>(o, sums);
   } else {
-    head_grad_sums_kernel<T, kVec, kSoftmax, 512, 4><<<blocks, 512, 0, stream>>>(o, sums);
+    head_grad_sums_kernel<G, Z, kVec, kSoftmax, 512, 4><<<blocks, 512, 0, stream>>>(o, sums);
   }
 }
 
@@ -384,9 +387,9 @@ head_grad_coefficients_kernel(GradCoefficientProblem p) {
 // streams a band of rows.
 constexpr int kZThreads = 256;
 
-template <class T, int kVec, bool kSoftmax>
+template <class G, class Z, int kVec, bool kSoftmax>
 __global__ void __launch_bounds__(kZThreads)
-head_grad_z_kernel(GradOperands o, const float* __restrict__ coef, T* __restrict__ dz,
+head_grad_z_kernel(GradOperands o, const float* __restrict__ coef, Z* __restrict__ dz,
                    int64_t ld_dz, int64_t rows_per_block) {
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
   if (col >= o.N) return;  // kVec > 1 implies N % kVec == 0
@@ -401,21 +404,21 @@ head_grad_z_kernel(GradOperands o, const float* __restrict__ coef, T* __restrict
   const int64_t r1 = std::min<int64_t>(o.M, r0 + rows_per_block);
   for (int64_t row = r0; row < r1; ++row) {
     float dv[kVec], z[kVec];
-    load_dv_z<T, kVec, kSoftmax>(o, row, col, dv, z);
-    T* dst = dz + row * ld_dz + col;
+    load_dv_z<G, Z, kVec, kSoftmax>(o, row, col, dv, z);
+    Z* dst = dz + row * ld_dz + col;
     if constexpr (kVec > 1) {
-      Vec16<T> v;
+      Vec<Z, kVec> v;
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) v.v[j] = from_float<T>(fmaf(A[j], dv[j], fmaf(B[j], z[j], C[j])));
-      *reinterpret_cast<Vec16<T>*>(dst) = v;
+      for (int j = 0; j < kVec; ++j) v.v[j] = from_float<Z>(fmaf(A[j], dv[j], fmaf(B[j], z[j], C[j])));
+      *reinterpret_cast<Vec<Z, kVec>*>(dst) = v;
     } else {
-      *dst = from_float<T>(fmaf(A[0], dv[0], fmaf(B[0], z[0], C[0])));
+      *dst = from_float<Z>(fmaf(A[0], dv[0], fmaf(B[0], z[0], C[0])));
     }
   }
 }
 
-template <class T, int kVec, bool kSoftmax>
-void launch_z(const GradOperands& o, const float* coef, T* dz, int64_t ld_dz, cudaStream_t stream) {
+template <class G, class Z, int kVec, bool kSoftmax>
+void launch_z(const GradOperands& o, const float* coef, Z* dz, int64_t ld_dz, cudaStream_t stream) {
   const int64_t vecs = o.N / kVec;
   const int64_t col_blocks = (vecs + kZThreads - 1) / kZThreads;
   // About 2048 resident threads per SM, bands of at least 4 rows (as column_affine.cu).
@@ -424,22 +427,23 @@ void launch_z(const GradOperands& o, const float* coef, T* dz, int64_t ld_dz, cu
   const int64_t bands = std::min<int64_t>({want, (o.M + 3) / 4, 65535});
   const int64_t rows_per_block = (o.M + bands - 1) / bands;
   const dim3 grid(unsigned(col_blocks), unsigned((o.M + rows_per_block - 1) / rows_per_block));
-  head_grad_z_kernel<T, kVec, kSoftmax><<<grid, kZThreads, 0, stream>>>(o, coef, dz, ld_dz,
-                                                                        rows_per_block);
+  head_grad_z_kernel<G, Z, kVec, kSoftmax><<<grid, kZThreads, 0, stream>>>(o, coef, dz, ld_dz,
+                                                                           rows_per_block);
 }
 
-// Calls fn(T{}, vector width, softmax) with the compile-time choices for these operands.
+// Calls fn(G{}, Z{}, vector width, softmax) with the compile-time choices for these operands.
 template <class Fn>
 void dispatch_grad(const GradOperands& o, bool extra_vectorizable, Fn&& fn) {
-  dispatch_dtype(o.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    constexpr int kVec = Vec16<T>::kSize;
-    const bool vec = extra_vectorizable && vectorizable<T>(o);
+  dispatch_in_out(o.z_dtype, o.dtype, [&](auto z_tag, auto g_tag) {
+    using G = decltype(g_tag);
+    using Z = decltype(z_tag);
+    constexpr int kVec = kNarrowVec<G, Z>;
+    const bool vec = extra_vectorizable && vectorizable<kVec>(o);
     auto by_softmax = [&](auto width) {
       if (o.out != nullptr) {
-        fn(tag, width, std::true_type{});
+        fn(g_tag, z_tag, width, std::true_type{});
       } else {
-        fn(tag, width, std::false_type{});
+        fn(g_tag, z_tag, width, std::false_type{});
       }
     };
     if (vec) {
@@ -454,16 +458,17 @@ void dispatch_grad(const GradOperands& o, bool extra_vectorizable, Fn&& fn) {
 
 void softmax_grad_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream) {
   if (o.M == 0) return;
-  dispatch_grad(o, true, [&](auto tag, auto width, auto) {
-    launch_rowdot<decltype(tag), decltype(width)::value>(o, rowdot, stream);
+  dispatch_grad(o, true, [&](auto g_tag, auto, auto width, auto) {
+    launch_rowdot<decltype(g_tag), decltype(width)::value>(o, rowdot, stream);
   });
   check_launch("softmax_grad_rowdot");
 }
 
 void head_grad_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
   if (o.N == 0) return;  // the op layer writes the lone row count
-  dispatch_grad(o, true, [&](auto tag, auto width, auto softmax) {
-    launch_sums<decltype(tag), decltype(width)::value, decltype(softmax)::value>(o, sums, stream);
+  dispatch_grad(o, true, [&](auto g_tag, auto z_tag, auto width, auto softmax) {
+    launch_sums<decltype(g_tag), decltype(z_tag), decltype(width)::value, decltype(softmax)::value>(
+        o, sums, stream);
   });
   check_launch("head_grad_sums");
 }
@@ -499,13 +504,14 @@ void head_grad_coefficients(const GradCoefficientProblem& p, void* scratch, cuda
 void head_grad_z(const GradOperands& o, const float* coef, void* dz, int64_t ld_dz,
                  cudaStream_t stream) {
   if (o.M == 0 || o.N == 0) return;
-  dispatch_grad(o, is_aligned16(dz), [&](auto tag, auto width, auto softmax) {
-    using T = decltype(tag);
+  dispatch_grad(o, is_aligned16(dz), [&](auto g_tag, auto z_tag, auto width, auto softmax) {
+    using G = decltype(g_tag);
+    using Z = decltype(z_tag);
     constexpr int kVec = decltype(width)::value;
     if (kVec > 1 && ld_dz % kVec != 0) {
-      launch_z<T, 1, decltype(softmax)::value>(o, coef, static_cast<T*>(dz), ld_dz, stream);
+      launch_z<G, Z, 1, decltype(softmax)::value>(o, coef, static_cast<Z*>(dz), ld_dz, stream);
     } else {
-      launch_z<T, kVec, decltype(softmax)::value>(o, coef, static_cast<T*>(dz), ld_dz, stream);
+      launch_z<G, Z, kVec, decltype(softmax)::value>(o, coef, static_cast<Z*>(dz), ld_dz, stream);
     }
   });
   check_launch("head_grad_z");

@@ -442,7 +442,8 @@ void softmax_into(const at::Tensor& src, const at::Tensor& dst, const AffinePair
   const float* a = ac.a.defined() ? ac.a.data_ptr<float>() : nullptr;
   const float* c = ac.c.defined() ? ac.c.data_ptr<float>() : nullptr;
   affine_softmax(to_dtype(src, "affine_softmax"), src.size(0), src.size(1), src.data_ptr(),
-                 src.stride(0), dst.data_ptr(), dst.stride(0), a, c, current_stream());
+                 src.stride(0), to_dtype(dst, "affine_softmax"), dst.data_ptr(), dst.stride(0), a, c,
+                 current_stream());
 }
 
 at::Tensor affine_softmax_cuda(const at::Tensor& z, const std::optional<at::Tensor>& a,
@@ -501,7 +502,7 @@ at::Tensor affine_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tenso
   const at::Tensor src = rows_with_unit_stride(z);
   at::Tensor out = at::empty(z.sizes(), z.options().memory_format(at::MemoryFormat::Contiguous));
   column_affine_into(to_dtype(z, op), src.size(0), src.size(1), src.data_ptr(), src.stride(0),
-                     out.data_ptr(), std::max<int64_t>(out.size(1), 1), a32.data_ptr<float>(),
+                     to_dtype(out, op), out.data_ptr(), std::max<int64_t>(out.size(1), 1), a32.data_ptr<float>(),
                      c32.data_ptr<float>(), current_stream());
   return out;
 }
@@ -523,6 +524,7 @@ PreparedGrad prepare_grad(const at::Tensor& grad, const std::optional<at::Tensor
   check_cuda(z, op, "z", z);
   PreparedGrad p;
   p.o.dtype = to_dtype(z, op);
+  p.o.z_dtype = p.o.dtype;
   auto check_like_z = [&](const at::Tensor& t, const char* name) {
     check_cuda(t, op, name, z);
     EPIFUSE_CHECK(t.scalar_type() == z.scalar_type(), "epifuse::", op, ": expected ", name,

@@ -136,24 +136,33 @@ void bn_fold_batch(const FoldProblem& f, const double* colsum, const double* col
                    int64_t count, double* moments, cudaStream_t stream);
 
 // ---- Row passes over an [M, N] matrix with row stride ld ---------------------------------------
-// out = softmax(a[n] * in + c[n]) along each row; a, c may be null (identity). in may equal out.
-void affine_softmax(DType dtype, int64_t M, int64_t N, const void* in, int64_t ld_in, void* out,
-                    int64_t ld_out, const float* a, const float* c, cudaStream_t stream);
+// Row passes read `in` in in_dtype and write `out` in out_dtype: the same dtype, or a 16-bit input
+// with an fp32 output (autocast: z in the GEMM's 16-bit dtype, the head's output in fp32).
+
+// out = softmax(a[n] * in + c[n]) along each row; a, c may be null (identity). in may equal out
+// (same dtype).
+void affine_softmax(DType in_dtype, int64_t M, int64_t N, const void* in, int64_t ld_in,
+                    DType out_dtype, void* out, int64_t ld_out, const float* a, const float* c,
+                    cudaStream_t stream);
 
 // z = a[n] * z + c[n] in place.
 void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
                    const float* c, cudaStream_t stream);
 
-// out = a[n] * in[m, n] + c[n] (in may equal out).
-void column_affine_into(DType dtype, int64_t M, int64_t N, const void* in, int64_t ld_in, void* out,
-                        int64_t ld_out, const float* a, const float* c, cudaStream_t stream);
+// out = a[n] * in[m, n] + c[n] (in may equal out, same dtype).
+void column_affine_into(DType in_dtype, int64_t M, int64_t N, const void* in, int64_t ld_in,
+                        DType out_dtype, void* out, int64_t ld_out, const float* a, const float* c,
+                        cudaStream_t stream);
 
 // ---- Backward of a head (python/epifuse/fold.py, "backward", is the reference) -----------------
 // g = grad of the head's output; out = the softmax's output (softmax heads); z = x . W^T as the
-// forward's GEMM stored it; all [M, N] of one dtype with unit column stride and row strides
-// ld_g / ld_out / ld_z. dv = out * (g - rowdot[m]) for softmax heads (out non-null), else g.
+// forward's GEMM stored it; all [M, N] with unit column stride and row strides ld_g / ld_out / ld_z.
+// g and out share `dtype` (the head's output dtype); z has z_dtype, the same or (autocast) a 16-bit
+// GEMM dtype under an fp32 output. dv = out * (g - rowdot[m]) for softmax heads (out non-null),
+// else g.
 struct GradOperands {
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFloat32;    // g, out
+  DType z_dtype = DType::kFloat32;  // z (and dz, head_grad_z's output)
   int64_t M = 0, N = 0;
   const void* g = nullptr;    int64_t ld_g = 0;
   const void* out = nullptr;  int64_t ld_out = 0;  // null: no softmax

@@ -1,0 +1,205 @@
+"""Heads under torch.autocast: the 16-bit GEMMs run on our kernels, the rest in fp32.
+
+GPU tests (marked `hopper`) check, for both problems, bf16 and fp16, training and eval: that the
+GEMM ran in the autocast dtype (the traced op's input dtypes), that the output dtype is the one the
+unfused modules give under the same autocast, that output and every gradient are no farther from a
+float64 oracle than eager's, and the GradScaler, torch.compile and CUDA-graph cases. The CPU tests
+check that CPU autocast and disabled regions take the paths they should.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import epifuse
+from helpers import FUSED_NODE, float64_twin, init_args, make_pair, rel_err
+
+CUDA = torch.device("cuda")
+AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PARAMS = ("gemm.weight", "gemm.bias", "bn.weight", "bn.bias", "scale")
+_TORCH_DTYPE_NAME = {torch.bfloat16: "c10::BFloat16", torch.float16: "c10::Half",
+                     torch.float32: "float"}
+
+
+@contextlib.contextmanager
+def traced_gemm_dtypes():
+    """The input dtypes of every epifuse GEMM op (gemm_colstats / gemm_affine) run in the block."""
+    found: list[str] = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
+        yield found
+    for e in prof.events():
+        if e.name in ("epifuse::gemm_colstats", "epifuse::gemm_affine"):
+            found.append(e.input_dtypes[0])
+
+
+def _autocast(dtype, **kw):
+    return torch.autocast("cuda", dtype=dtype, **kw)
+
+
+def _grads(model, x, w):
+    y = model(x)
+    leaves = [x, *(model.get_parameter(p) for p in PARAMS)]
+    return y, torch.autograd.grad((y.float() * w).sum(), leaves)
+
+
+# --------------------------------------------------------------------------- GPU
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+@pytest.mark.parametrize("number", [84, 39], ids=["p84", "p39"])
+def test_autocast_runs_16bit_gemm_and_is_no_worse_than_eager(number, amp, mode):
+    dtype = AMP[amp]
+    ref, new = make_pair(number, init_args(number, 512, 384))
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    oracle = float64_twin(ref)
+    for m in (ref, new, oracle):
+        m.train(mode == "train")
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.rand(256, 512, device=CUDA, generator=g)
+    w = torch.randn(256, 384, device=CUDA, generator=g)
+    with _autocast(dtype):
+        y_ref, g_ref = _grads(ref, x.clone().requires_grad_(), w)
+        with traced_gemm_dtypes() as gemms:
+            y_new, g_new = _grads(new, x.clone().requires_grad_(), w)
+    assert gemms == [_TORCH_DTYPE_NAME[dtype]], gemms  # one GEMM op, in the autocast dtype
+    assert y_new.grad_fn.name() == FUSED_NODE
+    assert y_new.dtype == y_ref.dtype == torch.float32  # scale (and softmax) promote to fp32
+    xo = x.double().requires_grad_()
+    y_o, g_o = _grads(oracle, xo, w.double())
+    # Output and gradients: within eager's error against float64 (plus a small floor for
+    # gradients that vanish in training, where both are rounding noise).
+    assert rel_err(y_new, y_o) <= rel_err(y_ref, y_o) * 1.05 + 1e-6
+    names = ["x", *PARAMS]
+    for name, a, b, o in zip(names, g_new, g_ref, g_o, strict=True):
+        assert a.dtype == b.dtype, name  # parameter gradients in the parameters' dtype
+        floor = 1e-3 * o.norm().item() if name in ("gemm.bias", "scale") else 0.0
+        err_new = (a.double() - o).norm().item()
+        err_ref = (b.double() - o).norm().item()
+        assert err_new <= err_ref * 1.25 + floor + 1e-30, (name, err_new, err_ref)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_autocast_follows_the_region(amp):
+    """Nested and disabled regions: the GEMM's dtype is the innermost region's, fp32 outside."""
+    dtype = AMP[amp]
+    _, new = make_pair(84, init_args(84, 256, 128))
+    new = new.to(CUDA)
+    x = torch.rand(64, 256, device=CUDA)
+    with traced_gemm_dtypes() as gemms:
+        with _autocast(dtype):
+            new(x)
+            with torch.autocast("cuda", enabled=False):
+                new(x)
+            with _autocast(torch.bfloat16 if dtype == torch.float16 else torch.float16):
+                new(x)
+        new(x)
+    other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+    assert gemms == [_TORCH_DTYPE_NAME[t] for t in (dtype, torch.float32, other, torch.float32)]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_fused_chain_under_autocast_matches_eager_dtypes(amp):
+    """A fuse()d Linear -> BN -> ReLU -> Linear -> BN chain: the same dtypes as eager, fused."""
+    dtype = AMP[amp]
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(256, 128), nn.BatchNorm1d(128), nn.ReLU(),
+                          nn.Linear(128, 64), nn.BatchNorm1d(64)).to(CUDA)
+    fused = epifuse.fuse(__import__("copy").deepcopy(eager))[0]
+    x = torch.rand(96, 256, device=CUDA)
+    with _autocast(dtype):
+        y_ref = eager(x)
+        with traced_gemm_dtypes() as gemms:
+            y_new = fused(x)
+    assert y_new.dtype == y_ref.dtype == dtype
+    assert gemms == [_TORCH_DTYPE_NAME[dtype]] * 2  # both heads fused, both GEMMs 16-bit
+    torch.testing.assert_close(y_new.float(), y_ref.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.hopper
+def test_gradscaler_skips_the_same_steps_as_eager():
+    """An fp16 loop whose first steps overflow: the loss scale and the parameters follow eager's."""
+    def run(model_cls_new: bool):
+        ref, new = make_pair(39, init_args(39, 256, 128))
+        model = (new if model_cls_new else ref).to(CUDA)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 30, growth_interval=2)
+        g = torch.Generator(device=CUDA).manual_seed(0)
+        scales = []
+        for _ in range(40):
+            x = torch.rand(64, 256, device=CUDA, generator=g)
+            t = torch.randn(64, 128, device=CUDA, generator=g)
+            with _autocast(torch.float16):
+                loss = ((model(x) - t) ** 2).mean()
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales, [p.detach().clone() for p in model.parameters()]
+
+    scales_ref, params_ref = run(False)
+    scales_new, params_new = run(True)
+    steps = list(zip([2.0 ** 30, *scales_ref], scales_ref))
+    assert any(b < a for a, b in steps), "the loop must overflow (skip steps)"
+    assert any(b > a for a, b in steps), "the loop must also take steps"
+    assert scales_new == scales_ref
+    for a, b in zip(params_new, params_ref, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-2)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("number", [84, 39], ids=["p84", "p39"])
+def test_autocast_under_torch_compile_fullgraph(number):
+    ref, new = make_pair(number, init_args(number, 256, 128))
+    ref, new = ref.to(CUDA), new.to(CUDA)
+    compiled = torch.compile(new, fullgraph=True)
+    x = torch.rand(64, 256, device=CUDA)
+    with _autocast(torch.bfloat16):
+        y_ref = ref(x)
+        with traced_gemm_dtypes() as gemms:
+            y_new = compiled(x)
+    assert "c10::BFloat16" in gemms
+    assert y_new.dtype == y_ref.dtype
+    torch.testing.assert_close(y_new, y_ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.hopper
+def test_autocast_cuda_graph_capture():
+    """Capture under autocast needs cache_enabled=False (as for any module); replays follow x."""
+    _, new = make_pair(84, init_args(84, 256, 128))
+    new = new.to(CUDA).eval()
+    x = torch.rand(64, 256, device=CUDA)
+    with torch.no_grad(), _autocast(torch.bfloat16, cache_enabled=False):
+        expected = new(x)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            new(x)  # warm-up on a side stream, as the CUDA-graph docs ask
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = new(x)
+        x.copy_(torch.rand_like(x))
+        graph.replay()
+        expected = new(x)
+    torch.testing.assert_close(y, expected)
+
+
+# --------------------------------------------------------------------------- CPU
+
+@pytest.mark.parametrize("number", [84, 39], ids=["p84", "p39"])
+def test_cpu_autocast_takes_the_reference_path(number):
+    ref, new = make_pair(number, init_args(number, 64, 32))
+    x = torch.rand(16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_ref, y_new = ref(x), new(x)
+    assert y_new.dtype == y_ref.dtype
+    torch.testing.assert_close(y_new, y_ref)

@@ -20,6 +20,7 @@
 // into a HeadConfig (head_config.h, the one table of them); the composites and the autograd pass
 // that struct around.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -30,6 +31,7 @@
 #include <tuple>
 
 #include "head_config.h"
+#include "weight_split_cache.h"
 
 namespace epifuse {
 namespace {
@@ -63,8 +65,9 @@ EPIFUSE_OP(bn_fold_batch, "bn_fold_batch",
 EPIFUSE_OP(synced_batch_fold, "synced_batch_fold",
            Tensor3(const Tensor&, const Tensor&, int64_t, const OptTensor&, const Tensor&,
                    const Tensor&, const OptTensor&, const OptTensor&, double, c10::string_view))
-EPIFUSE_OP(affine_softmax, "affine_softmax", Tensor(const Tensor&, const OptTensor&, const OptTensor&))
-EPIFUSE_OP(affine, "affine", Tensor(const Tensor&, const Tensor&, const Tensor&))
+EPIFUSE_OP(affine_softmax, "affine_softmax",
+           Tensor(const Tensor&, const OptTensor&, const OptTensor&, OptDType))
+EPIFUSE_OP(affine, "affine", Tensor(const Tensor&, const Tensor&, const Tensor&, OptDType))
 EPIFUSE_OP(softmax_grad_rowdot, "softmax_grad_rowdot", Tensor(const Tensor&, const Tensor&))
 EPIFUSE_OP(head_grad_sums, "head_grad_sums",
            Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&))
@@ -77,7 +80,8 @@ EPIFUSE_OP(head_grad_coefficients, "head_grad_coefficients",
                    const OptTensor&, bool, double))
 EPIFUSE_OP(head_grad_z, "head_grad_z",
            Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&))
-EPIFUSE_OP(backward_matmul, "backward_matmul", Tensor(const Tensor&, const Tensor&, c10::string_view))
+EPIFUSE_OP(backward_matmul, "backward_matmul",
+           Tensor(const Tensor&, const Tensor&, c10::string_view, OptDType))
 EPIFUSE_OP(fused_head_op, "fused_head",
            Tensor5(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
                    const Tensor&, const Tensor&, const Tensor& EPIFUSE_HEAD_PARAM_TYPES))
@@ -93,6 +97,12 @@ std::pair<OptTensor, OptTensor> scales(const Tensor& scale, bool scale_before_bn
   return {std::nullopt, scale};
 }
 
+// x or W as the GEMMs read them: cast to cfg.gemm_dtype (autocast), or as they are.
+Tensor gemm_operand(const Tensor& t, const HeadConfig& cfg) {
+  if (!cfg.gemm_dtype || t.scalar_type() == *cfg.gemm_dtype) return t;
+  return t.to(*cfg.gemm_dtype);
+}
+
 // fold.moments_vector(running_mean, running_var, 0): what eval mode normalized with.
 Tensor running_moments(const Tensor& running_mean, const Tensor& running_var) {
   const auto f64 = running_mean.options().dtype(at::kDouble);
@@ -106,7 +116,10 @@ Tensor5 fused_head_impl(const Tensor& x, const Tensor& weight, const OptTensor& 
                         const Tensor& running_mean, const Tensor& running_var,
                         const HeadConfig& cfg) {
   const auto [pre, post] = scales(scale, cfg.scale_before_bn);
-  auto [z, colsum, colsumsq] = gemm_colstats().call(x, weight, cfg.precision);
+  // Under autocast the autograd kernel hands over x and W already cast (and keeps them for the
+  // backward); a direct call casts here.
+  auto [z, colsum, colsumsq] =
+      gemm_colstats().call(gemm_operand(x, cfg), gemm_operand(weight, cfg), cfg.precision);
   Tensor a, c, moments;
   if (!cfg.training) {
     std::tie(a, c) =
@@ -119,7 +132,8 @@ Tensor5 fused_head_impl(const Tensor& x, const Tensor& weight, const OptTensor& 
     std::tie(a, c, moments) =
         bn_fold_batch().call(colsum, colsumsq, x.size(0), bias, gamma, beta, pre, post, cfg.eps);
   }
-  Tensor out = cfg.softmax ? affine_softmax().call(z, a, c) : affine().call(z, a, c);
+  Tensor out = cfg.softmax ? affine_softmax().call(z, a, c, cfg.out_dtype)
+                           : affine().call(z, a, c, cfg.out_dtype);
   return {out, z, colsum, colsumsq, moments};
 }
 
@@ -159,9 +173,17 @@ Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const O
                                     beta, pre, post, cfg.training, cfg.eps);
   Tensor grad_x = at::empty({0}, grad.options()), grad_w = at::empty({0}, grad.options());
   if (needs[0] || needs[1]) {
+    // dz in z's dtype: the GEMM's, so dX and dW run in it too (under autocast, as eager's). dX
+    // comes back in that dtype (the autograd casts it to x's, as eager's cast of x does); dW in the
+    // parameters' dtype, written by the GEMM.
     const Tensor dz = head_grad_z().call(grad, softmax_out, rowdot, z, coef);
-    if (needs[0]) grad_x = backward_matmul().call(dz, *weight, cfg.precision);
-    if (needs[1]) grad_w = backward_matmul().call(dz.t(), *x, cfg.precision);
+    if (needs[0]) grad_x = backward_matmul().call(dz, *weight, cfg.precision, std::nullopt);
+    if (needs[1]) {
+      const bool fp32_params = gamma.scalar_type() == at::kFloat && dz.scalar_type() != at::kFloat;
+      grad_w = backward_matmul().call(dz.t(), *x, cfg.precision,
+                                      fp32_params ? OptDType(at::kFloat) : std::nullopt);
+      if (grad_w.scalar_type() != gamma.scalar_type()) grad_w = grad_w.to(gamma.scalar_type());
+    }
   }
   return {grad_x, grad_w, g_bias, g_gamma, g_beta, scale_before_bn ? g_pre : g_post};
 }
@@ -222,18 +244,22 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
                                const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
                                const Tensor& scale, const Tensor& running_mean,
                                const Tensor& running_var, const HeadConfig& cfg) {
-    Tensor out, z, colsum, colsumsq, moments;
+    Tensor out, z, colsum, colsumsq, moments, x_gemm, w_gemm;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
+      // The GEMM's operands (autocast: 16-bit casts; the weight's kept while it is unchanged),
+      // cast once here so that the backward reuses them.
+      x_gemm = gemm_operand(x, cfg);
+      w_gemm = cfg.gemm_dtype ? kept_weight_cast(weight, *cfg.gemm_dtype) : weight;
       std::tie(out, z, colsum, colsumsq, moments) = fused_head_op().call(
-          x, weight, bias, gamma, beta, scale, running_mean, running_var EPIFUSE_HEAD_ARGS);
+          x_gemm, w_gemm, bias, gamma, beta, scale, running_mean, running_var EPIFUSE_HEAD_ARGS);
     }
     ctx->mark_non_differentiable({z, colsum, colsumsq, moments});
     ctx->set_materialize_grads(false);
     // z and out are the [M, N] tensors kept.
     SavedTensors saved;
-    saved.x = weight.requires_grad() ? x : Tensor();
-    saved.weight = x.requires_grad() ? weight : Tensor();
+    saved.x = weight.requires_grad() ? x_gemm : Tensor();
+    saved.weight = x.requires_grad() ? w_gemm : Tensor();
     saved.bias = bias.value_or(Tensor());
     saved.gamma = gamma;
     saved.beta = beta;
@@ -246,6 +272,7 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     ctx->save_for_backward(saved.list());
     save_head_config(ctx, cfg);
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->saved_data["x_dtype"] = x.scalar_type();
     return {out, z, colsum, colsumsq, moments};
   }
 
@@ -272,6 +299,9 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     for (int i = 0; i < 6; ++i) {
       if (needs[i]) result[i] = all[i];
     }
+    // dX in x's dtype (under autocast the GEMM ran in the 16-bit dtype x was cast to).
+    const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
+    if (result[0].defined() && result[0].scalar_type() != x_dtype) result[0] = result[0].to(x_dtype);
     return result;
   }
 };
@@ -310,6 +340,33 @@ Tensor5 fused_head_autograd(const Tensor& x, const Tensor& weight, const OptTens
   const variable_list r =
       FusedHead::apply(x, weight, bias, gamma, beta, scale, running_mean, running_var, cfg);
   return {r[0], r[1], r[2], r[3], r[4]};
+}
+
+// AutocastCUDA: the head under torch.autocast("cuda", dtype=d). The GEMMs run in d (x and W cast
+// by the autograd kernel, which keeps the casts for the backward), the statistics, fold and passes
+// in fp32, and the output has the dtype the unfused modules give under the same autocast:
+// nn.Linear returns d, BatchNorm keeps its input's dtype, an fp32 scale tensor promotes
+// (scale * y), softmax is one of autocast's fp32 ops. Read at call time, so nested and disabled
+// regions are followed (torch.library.register_autocast fixes one dtype when registered).
+// Inputs autocast would not cast (float64, or already cast) pass through unchanged.
+Tensor5 fused_head_autocast(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                            const Tensor& gamma, const Tensor& beta, const Tensor& scale,
+                            const Tensor& running_mean,
+                            const Tensor& running_var EPIFUSE_HEAD_PARAMS) {
+  HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
+  if (!cfg.gemm_dtype && at::autocast::is_autocast_eligible(x, c10::DeviceType::CUDA) &&
+      at::autocast::is_autocast_eligible(weight, c10::DeviceType::CUDA)) {
+    const at::ScalarType d = at::autocast::get_autocast_dtype(at::kCUDA);
+    cfg.gemm_dtype = d;
+    if (!cfg.out_dtype) {
+      cfg.out_dtype = cfg.softmax     ? at::kFloat
+                      : cfg.has_scale ? at::promote_types(d, scale.scalar_type())
+                                      : d;
+    }
+  }
+  return fused_head_op().call(x, weight, bias, gamma, beta, scale, running_mean,
+                              running_var EPIFUSE_HEAD_ARGS);
 }
 
 Tensor6 fused_head_backward_autograd(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
@@ -367,6 +424,10 @@ TORCH_LIBRARY_IMPL(epifuse, CPU, m) {
 TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {
   m.impl("fused_head", &epifuse::fused_head);
   m.impl("fused_head_backward", &epifuse::fused_head_backward);
+}
+
+TORCH_LIBRARY_IMPL(epifuse, AutocastCUDA, m) {
+  m.impl("fused_head", &epifuse::fused_head_autocast);
 }
 
 TORCH_LIBRARY_IMPL(epifuse, Autograd, m) {

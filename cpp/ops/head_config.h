@@ -24,6 +24,8 @@
 
 namespace epifuse {
 
+using OptDType = std::optional<at::ScalarType>;
+
 // X(name, member type, kernel argument type, schema type, schema default)
 // clang-format off
 #define EPIFUSE_HEAD_CONFIG(X)                                                                     \
@@ -46,7 +48,17 @@ namespace epifuse {
   X(eps,             double,                double,                "float",  "1e-05")              \
   /* Non-empty: training statistics over the ranks of this process group (its group_name;        \
      the synced_* hooks); '': this process's batch only. */                                        \
-  X(group_name,      std::string,           c10::string_view,      "str",    "''")
+  X(group_name,      std::string,           c10::string_view,      "str",    "''")              \
+  /* The head owns a scale (False: `scale` is a ones(1) stand-in the fold multiplies by). Only    \
+     the output dtype under autocast depends on it: a real fp32 scale promotes, as in eager. */   \
+  X(has_scale,       bool,                  bool,                  "bool",   "True")               \
+  /* The dtype the GEMMs run in: x and W are cast to it inside the op (the statistics, fold and   \
+     passes stay fp32; dW comes back in the parameters' dtype). None: x's dtype. The AutocastCUDA \
+     kernel sets it to the autocast dtype. */                                                      \
+  X(gemm_dtype,      OptDType,              OptDType,              "ScalarType?", "None")          \
+  /* The output's dtype; None: z's, i.e. the GEMM's. The AutocastCUDA kernel sets the dtype the    \
+     unfused modules return under the same autocast (fp32 after a softmax or an fp32 scale). */   \
+  X(out_dtype,       OptDType,              OptDType,              "ScalarType?", "None")
 // clang-format on
 
 struct HeadConfig {

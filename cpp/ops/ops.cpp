@@ -438,6 +438,17 @@ void check_matrix(const at::Tensor& z, const char* op) {
   to_dtype(z, op);
 }
 
+// The output dtype of an out-of-place row pass over z: out_dtype (z's dtype, or float32 from a
+// 16-bit z: a head's fp32 output under autocast), z's when None.
+at::ScalarType pass_out_dtype(const at::Tensor& z, std::optional<at::ScalarType> out_dtype,
+                              const char* op) {
+  const at::ScalarType out = out_dtype.value_or(z.scalar_type());
+  EPIFUSE_CHECK(out == z.scalar_type() || (out == at::kFloat && z.element_size() == 2),
+                "epifuse::", op, ": out_dtype must be z's dtype (", z.scalar_type(),
+                ") or float32 for a 16-bit z, got ", out);
+  return out;
+}
+
 void softmax_into(const at::Tensor& src, const at::Tensor& dst, const AffinePair& ac) {
   const float* a = ac.a.defined() ? ac.a.data_ptr<float>() : nullptr;
   const float* c = ac.c.defined() ? ac.c.data_ptr<float>() : nullptr;
@@ -447,13 +458,15 @@ void softmax_into(const at::Tensor& src, const at::Tensor& dst, const AffinePair
 }
 
 at::Tensor affine_softmax_cuda(const at::Tensor& z, const std::optional<at::Tensor>& a,
-                               const std::optional<at::Tensor>& c) {
+                               const std::optional<at::Tensor>& c,
+                               std::optional<at::ScalarType> out_dtype) {
   const char* op = "affine_softmax";
   check_matrix(z, op);
   const auto guard = guard_for(z, op, "z");
   const AffinePair ac = optional_affine(z, a, c, op);
+  const at::ScalarType dtype = pass_out_dtype(z, out_dtype, op);
   const at::Tensor src = rows_with_unit_stride(z);
-  at::Tensor out = at::empty(z.sizes(), z.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty(z.sizes(), z.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
   softmax_into(src, out, ac);
   return out;
 }
@@ -493,14 +506,16 @@ void affine_inplace_cuda(const at::Tensor& z, const at::Tensor& a, const at::Ten
   }
 }
 
-at::Tensor affine_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tensor& c) {
+at::Tensor affine_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tensor& c,
+                       std::optional<at::ScalarType> out_dtype) {
   const char* op = "affine";
   check_matrix(z, op);
   const auto guard = guard_for(z, op, "z");
   const at::Tensor a32 = column_vector(a, z.size(1), op, "a", z);
   const at::Tensor c32 = column_vector(c, z.size(1), op, "c", z);
+  const at::ScalarType dtype = pass_out_dtype(z, out_dtype, op);
   const at::Tensor src = rows_with_unit_stride(z);
-  at::Tensor out = at::empty(z.sizes(), z.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty(z.sizes(), z.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
   column_affine_into(to_dtype(z, op), src.size(0), src.size(1), src.data_ptr(), src.stride(0),
                      to_dtype(out, op), out.data_ptr(), std::max<int64_t>(out.size(1), 1), a32.data_ptr<float>(),
                      c32.data_ptr<float>(), current_stream());
@@ -523,16 +538,21 @@ PreparedGrad prepare_grad(const at::Tensor& grad, const std::optional<at::Tensor
   EPIFUSE_CHECK(z.dim() == 2, "epifuse::", op, ": expected z to be 2-D [M, N], got ", z.dim(), "-D");
   check_cuda(z, op, "z", z);
   PreparedGrad p;
-  p.o.dtype = to_dtype(z, op);
-  p.o.z_dtype = p.o.dtype;
+  p.o.z_dtype = to_dtype(z, op);
+  // grad and out share one dtype: z's, or float32 over a 16-bit z (a head's fp32 output under
+  // autocast).
+  const at::ScalarType g_dtype =
+      grad.scalar_type() == at::kFloat && z.element_size() == 2 ? at::kFloat : z.scalar_type();
   auto check_like_z = [&](const at::Tensor& t, const char* name) {
     check_cuda(t, op, name, z);
-    EPIFUSE_CHECK(t.scalar_type() == z.scalar_type(), "epifuse::", op, ": expected ", name,
-                  " to have dtype ", z.scalar_type(), " like z, got ", t.scalar_type());
+    EPIFUSE_CHECK(t.scalar_type() == g_dtype, "epifuse::", op, ": expected ", name,
+                  " to have dtype ", g_dtype, g_dtype == z.scalar_type() ? " like z" : " like grad",
+                  ", got ", t.scalar_type());
     EPIFUSE_CHECK(t.sizes() == z.sizes(), "epifuse::", op, ": expected ", name, " of shape ",
                   z.sizes(), " like z, got ", t.sizes());
   };
   check_like_z(grad, "grad");
+  p.o.dtype = to_dtype(grad, op);
   EPIFUSE_CHECK(out.has_value() == rowdot.has_value(), "epifuse::", op,
                 ": pass both out and rowdot (softmax heads), or neither");
   p.o.M = z.size(0);
@@ -669,7 +689,7 @@ at::Tensor k_major_copy(const at::Tensor& v) {
 }
 
 at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
-                                c10::string_view precision) {
+                                c10::string_view precision, std::optional<at::ScalarType> out_dtype) {
   const char* op = "backward_matmul";
   const auto guard = guard_for(a, op, "a");
   EPIFUSE_CHECK(a.dim() == 2 && b.dim() == 2, "epifuse::", op, ": expected 2-D a and b, got ",
@@ -680,6 +700,14 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                 b.scalar_type());
   EPIFUSE_CHECK(a.size(1) == b.size(0), "mat1 and mat2 shapes cannot be multiplied (", a.size(0),
                 "x", a.size(1), " and ", b.size(0), "x", b.size(1), ")");
+  if (out_dtype && *out_dtype != a.scalar_type()) {
+    // A 16-bit product written in fp32 by cuBLAS itself (dW of a head under autocast, in the fp32
+    // parameters' dtype): no 16-bit result, no cast pass.
+    EPIFUSE_CHECK(*out_dtype == at::kFloat && a.element_size() == 2, "epifuse::", op,
+                  ": out_dtype must be a's dtype (", a.scalar_type(),
+                  ") or float32 for 16-bit a and b, got ", *out_dtype);
+    return at::mm(a, b, at::kFloat);
+  }
   // a . b = a . (b^T)^T: the GEMM of the forward with b^T as its weight, a view (no copy).
   // Only the Hopper 3xTF32 plan runs here (its split reads any strides); everything else is cuBLAS,
   // which takes the transposed views as they are, except that in TF32 the dispatcher may ask for
@@ -718,10 +746,11 @@ TORCH_LIBRARY(epifuse, m) {
                      "Tensor? post_scale, Tensor running_mean, Tensor running_var, ") +
          head_schema_kwargs({"eps"}) + ") -> (Tensor, Tensor)")
             .c_str());
-  m.def("affine_softmax(Tensor z, Tensor? a, Tensor? c) -> Tensor");
+  // out_dtype: the output's dtype, z's (None) or float32 from a 16-bit z (autocast).
+  m.def("affine_softmax(Tensor z, Tensor? a, Tensor? c, *, ScalarType? out_dtype=None) -> Tensor");
   m.def("affine_softmax_(Tensor(a!) z, Tensor? a, Tensor? c) -> ()");
   m.def("affine_(Tensor(a!) z, Tensor a, Tensor c) -> ()");
-  m.def("affine(Tensor z, Tensor a, Tensor c) -> Tensor");
+  m.def("affine(Tensor z, Tensor a, Tensor c, *, ScalarType? out_dtype=None) -> Tensor");
   m.def((std::string("bn_fold_batch(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, "
                      "Tensor gamma, Tensor beta, Tensor? pre_scale, Tensor? post_scale, ") +
          head_schema_kwargs({"eps"}) + ") -> (Tensor, Tensor, Tensor)")
@@ -736,7 +765,8 @@ TORCH_LIBRARY(epifuse, m) {
          ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
             .c_str());
   m.def("head_grad_z(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z, Tensor coef) -> Tensor");
-  m.def("backward_matmul(Tensor a, Tensor b, str precision) -> Tensor");
+  // out_dtype: a's (None) or float32 for 16-bit a and b (written by the GEMM).
+  m.def("backward_matmul(Tensor a, Tensor b, str precision, *, ScalarType? out_dtype=None) -> Tensor");
   // Build information (no tensors, so one kernel for every backend): the GPU architectures the
   // kernels were compiled for, e.g. "80,90a", and whether they run on compute capability major.minor.
   m.def("built_archs() -> str", []() { return std::string(epifuse::built_archs()); });

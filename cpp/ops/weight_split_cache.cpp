@@ -1,29 +1,48 @@
 // See weight_split_cache.h.
 #include "weight_split_cache.h"
 
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <vector>
 
 namespace epifuse {
 namespace {
 
+// What is kept of a weight: its 3xTF32 split, or its cast to a dtype (kCast + the dtype).
+constexpr int kSplit = -1;
+
 struct Entry {
-  Entry(c10::StorageImpl* impl, const at::Tensor& w)
+  Entry(c10::StorageImpl* impl, const at::Tensor& w, int kind)
       : storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl)),
         offset(w.storage_offset()),
         sizes(w.sizes().vec()),
         strides(w.strides().vec()),
-        version(w._version()) {}
+        version(w._version()),
+        kind(kind) {}
 
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   int64_t offset;
   std::vector<int64_t> sizes, strides;
   uint32_t version;
-  at::Tensor split;  // undefined until two calls in a row saw `version`
+  int kind;
+  at::Tensor value;              // undefined until two calls in a row saw `version`
+  cudaStream_t made_on = nullptr;
+  std::shared_ptr<CUevent_st> ready;  // recorded on made_on after value was written
 };
+
+std::shared_ptr<CUevent_st> new_event() {
+  cudaEvent_t event = nullptr;
+  cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  return std::shared_ptr<CUevent_st>(event, [](cudaEvent_t e) {
+    if (e != nullptr) cudaEventDestroy(e);
+  });
+}
 
 // A handful of weights per process; entries whose storage died are dropped on the next lookup.
 constexpr size_t kMaxEntries = 16;
@@ -38,9 +57,10 @@ bool capturing(cudaStream_t stream) {
          status != cudaStreamCaptureStatusNone;
 }
 
-}  // namespace
-
-at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaStream_t stream) {
+// The kept operand of kind `kind` for w, made by make() on `stream` when first worth keeping;
+// undefined when not kept (first sight, or w written since the last call).
+at::Tensor kept(const at::Tensor& w, int kind, cudaStream_t stream,
+                const std::function<at::Tensor()>& make) {
   if (capturing(stream)) return {};
   static std::mutex mutex;
   static std::vector<Entry> entries;
@@ -51,23 +71,48 @@ at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaSt
   c10::StorageImpl* storage = w.storage().unsafeGetStorageImpl();
   const uint32_t version = w._version();
   auto it = std::find_if(entries.begin(), entries.end(), [&](const Entry& e) {
-    return e.storage._unsafe_get_target() == storage && same_view(e, w);
+    return e.storage._unsafe_get_target() == storage && e.kind == kind && same_view(e, w);
   });
-  if (it == entries.end()) {  // first sight: remember the version, split in the workspace this time
+  if (it == entries.end()) {  // first sight: remember the version, make it in place this time
     if (entries.size() == kMaxEntries) entries.erase(entries.begin());
-    entries.emplace_back(storage, w);
+    entries.emplace_back(storage, w, kind);
     return {};
   }
   if (it->version != version) {  // written since: a weight in training, not worth keeping
     it->version = version;
-    it->split = at::Tensor();
+    it->value = at::Tensor();
     return {};
   }
-  if (!it->split.defined()) {
-    it->split = at::empty({int64_t(split_weight_floats(p))}, w.options().dtype(at::kFloat));
-    split_weight(p, it->split.data_ptr<float>(), stream);
+  if (!it->value.defined()) {
+    it->value = make();
+    it->made_on = stream;
+    if (!it->ready) it->ready = new_event();
+    cudaEventRecord(it->ready.get(), stream);
+  } else if (stream != it->made_on) {
+    cudaStreamWaitEvent(stream, it->ready.get(), 0);
+    c10::cuda::CUDACachingAllocator::recordStream(
+        it->value.storage().data_ptr(),
+        c10::cuda::getStreamFromExternal(stream, it->value.device().index()));
   }
-  return it->split;
+  return it->value;
+}
+
+}  // namespace
+
+at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaStream_t stream) {
+  return kept(w, kSplit, stream, [&] {
+    at::Tensor split = at::empty({int64_t(split_weight_floats(p))}, w.options().dtype(at::kFloat));
+    split_weight(p, split.data_ptr<float>(), stream);
+    return split;
+  });
+}
+
+at::Tensor kept_weight_cast(const at::Tensor& w, at::ScalarType dtype) {
+  if (w.scalar_type() == dtype) return w;
+  if (!w.is_cuda()) return w.to(dtype);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(w.device().index()).stream();
+  at::Tensor cast = kept(w, int(dtype), stream, [&] { return w.to(dtype); });
+  return cast.defined() ? cast : w.to(dtype);
 }
 
 }  // namespace epifuse

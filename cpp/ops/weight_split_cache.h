@@ -1,15 +1,22 @@
-// The 3xTF32 split of a weight, kept while the weight does not change.
+// Operands made from a weight (its 3xTF32 split, its 16-bit cast under autocast), kept while the
+// weight does not change.
 //
-// The Hopper 3xTF32 GEMM multiplies operands split into TF32 hi/lo parts (split_tf32.cu). Splitting
-// the weight costs a read of it and a write of twice its size on every call; for a weight that stays
-// the same between calls (inference) the split can be made once. A weight that changes between calls
-// (training: the optimizer updates it in place every step) gains nothing from a cache and would pin
-// twice its size in memory, so a split is kept only after two calls in a row see the same version:
-//   - the key is the view (storage, offset, sizes, strides): W and the backward's W^T are two keys;
+// The Hopper 3xTF32 GEMM multiplies operands split into TF32 hi/lo parts (split_tf32.cu), and a head
+// under autocast multiplies a 16-bit cast of the weight. Making either costs a read of the weight and
+// a write of the operand on every call; for a weight that stays the same between calls (inference)
+// it can be made once. A weight that changes between calls (training: the optimizer updates it in
+// place every step) gains nothing from a cache and would pin the operand in memory (twice the
+// weight for a split, half of it for a cast), so an operand is kept only after two calls in a row
+// see the same version:
+//   - the key is the view (storage, offset, sizes, strides) and the kind of operand: W and the
+//     backward's W^T are two keys, W's split and its bf16 cast two more;
 //   - the value is valid while the storage is alive and its version counter (shared by every view
 //     of it, bumped by every in-place write) is unchanged.
-// Under CUDA graph capture nothing is cached or returned: a captured GEMM splits inside the graph,
-// so its replays see the weight as it is then.
+// Streams: an operand is made on the caller's stream; a caller on another stream waits for it (an
+// event recorded after it was made) and the allocator is told that stream uses it (record_stream),
+// so neither a read before it is written nor a reuse of its memory while that stream reads it.
+// Under CUDA graph capture nothing is cached or returned: a captured GEMM makes its operand inside
+// the graph, so its replays see the weight as it is then.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,5 +29,8 @@ namespace epifuse {
 // The split of p's weight (p.w, viewed through `w`) if it is worth keeping: a defined float32 tensor
 // of split_weight_floats(p) elements; undefined otherwise (the GEMM then splits into its workspace).
 at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaStream_t stream);
+
+// w.to(dtype), kept while w is unchanged (CUDA tensors; elsewhere, and under capture, a plain cast).
+at::Tensor kept_weight_cast(const at::Tensor& w, at::ScalarType dtype);
 
 }  // namespace epifuse

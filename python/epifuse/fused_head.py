@@ -84,8 +84,10 @@ def _fused_head_fake(x, weight, bias, gamma, beta, scale, running_mean, running_
     # config: the settings given (HeadConfig's fields, keyword-only); no shape depends on them.
     _check_gemm_operands(x, weight)
     n = weight.shape[0]
-    z = x.new_empty((x.shape[0], n))
-    return (torch.empty_like(z), z, x.new_empty((n,), dtype=_F64), x.new_empty((n,), dtype=_F64),
+    # z in the GEMM's dtype (gemm_dtype: autocast's), the output in out_dtype (default z's).
+    z = x.new_empty((x.shape[0], n), dtype=config.get("gemm_dtype") or x.dtype)
+    out = torch.empty_like(z, dtype=config.get("out_dtype") or z.dtype)
+    return (out, z, x.new_empty((n,), dtype=_F64), x.new_empty((n,), dtype=_F64),
             x.new_empty((2 * n + 1,), dtype=_F64))
 
 
@@ -95,8 +97,9 @@ def _fused_head_backward_fake(grad, x, weight, bias, gamma, beta, scale, z, out,
     # config: the settings given (HeadConfig's fields, keyword-only); no shape depends on them.
     torch._check(grad.dim() == 2, lambda: "grad must be 2-D")
     m, n = grad.shape
-    grad_x = grad.new_empty((m, weight.shape[1]) if needs[0] else (0,))
-    grad_w = grad.new_empty((n, x.shape[1]) if needs[1] else (0,))
+    # dX in z's dtype (the GEMM's), dW in the parameters' (fp32 under autocast).
+    grad_x = z.new_empty((m, weight.shape[1]) if needs[0] else (0,))
+    grad_w = z.new_empty((n, x.shape[1]) if needs[1] else (0,), dtype=gamma.dtype)
     grad_bias = gamma.new_empty((0,), dtype=torch.float32) if bias is None else torch.empty_like(bias)
     return (grad_x, grad_w, grad_bias, torch.empty_like(gamma), torch.empty_like(beta),
             torch.empty_like(scale))

@@ -151,8 +151,12 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
         return f"BatchNorm has {bn.num_features} features, gemm has {n}"
     if scale.dim() != 1 or scale.numel() not in (1, n):
         return f"scale shape {tuple(scale.shape)} is neither (1,) nor ({n},)"
-    # Mixed devices/dtypes: the reference raises PyTorch's own error.
-    dtype, device = x.dtype, x.device
+    # Mixed devices/dtypes: the reference raises PyTorch's own error. Under CUDA autocast the
+    # input may differ from the parameters (a 16-bit activation from the layer before): the op's
+    # autocast kernel casts both to the autocast dtype, as nn.Linear does.
+    dtype, device = parts.weight.dtype, x.device
+    if x.dtype != dtype and not torch.is_autocast_enabled("cuda"):
+        return "parameters/buffers differ from the input in dtype or device"
     for t in (parts.weight, parts.bias, parts.gamma, parts.beta, scale, parts.running_mean,
               parts.running_var):
         if t is not None and (t.dtype != dtype or t.device != device):
@@ -174,10 +178,14 @@ def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
     config = HeadConfig(precision=resolve_precision(module.precision, x.dtype),
                         training=bn.training, scale_before_bn=spec.scale_before_bn,
                         softmax=spec.softmax, momentum=bn.momentum, eps=bn.eps,
-                        group_name="" if group is None else group.group_name)
-    if group is None and not (torch.is_grad_enabled() and (x.requires_grad or any(
-            p is not None and p.requires_grad
-            for p in (parts.weight, parts.bias, parts.gamma, parts.beta, parts.scale)))):
+                        group_name="" if group is None else group.group_name,
+                        has_scale=spec.has_scale)
+    # Under CUDA autocast the head runs epifuse::fused_head, whose AutocastCUDA kernel picks the
+    # GEMMs' 16-bit dtype and the output dtype (the in-place ops below have no autocast kernel).
+    if group is None and not torch.is_autocast_enabled("cuda") and not (
+            torch.is_grad_enabled() and (x.requires_grad or any(
+                p is not None and p.requires_grad
+                for p in (parts.weight, parts.bias, parts.gamma, parts.beta, parts.scale)))):
         return _fused_forward(x, parts, config)
     return _differentiable_forward(x, parts, config)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+import torch
+
 
 class HeadConfig(NamedTuple):
     """A head's settings. The defaults are the schemas' (PyTorch's BatchNorm1d defaults)."""
@@ -40,6 +42,14 @@ class HeadConfig(NamedTuple):
     # Non-empty: training statistics over the ranks of this process group (its group_name);
     # '': this process's batch only.
     group_name: str = ""
+    # The head owns a scale (False: the ``scale`` tensor is a ones(1) stand-in). Only the output
+    # dtype under autocast depends on it: a real fp32 scale promotes, as it does in eager.
+    has_scale: bool = True
+    # The dtype the GEMMs run in (x and W are cast to it inside the op; statistics, fold and passes
+    # stay fp32). None: x's dtype. Under torch.autocast the op's AutocastCUDA kernel sets it.
+    gemm_dtype: Optional[torch.dtype] = None
+    # The output's dtype; None: the GEMM's. Under autocast: what the unfused modules return.
+    out_dtype: Optional[torch.dtype] = None
 
     def kwargs(self) -> dict[str, Any]:
         """Every setting by name: the keyword arguments of fused_head / fused_head_backward."""

@@ -82,7 +82,7 @@ class HeadModule(NotScriptable, nn.Module):
         self.scale_position = scale_position
         self.softmax_dim = softmax_dim
         self._spec = HeadSpec(scale_before_bn=scale_position == "before_bn",
-                              softmax=softmax_dim is not None)
+                              softmax=softmax_dim is not None, has_scale=self.has_scale)
         configure_sync_batchnorm(self, False, None)  # epifuse.convert_sync_batchnorm flips it
 
     def forward(self, x: Tensor) -> Tensor:

@@ -119,9 +119,13 @@ def bn_fold_eval(bias: Optional[Tensor], gamma: Tensor, beta: Tensor, pre_scale:
                          eps=eps)
 
 
-def affine_softmax(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> Tensor:
-    """``softmax(a * z + c, dim=1)`` into a new tensor of z's dtype (a, c None: identity)."""
-    return _affine_softmax(z, a, c)
+def affine_softmax(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], *,
+                   out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``softmax(a * z + c, dim=1)`` into a new tensor (a, c None: identity).
+
+    Its dtype is ``out_dtype``: z's (None), or float32 from a 16-bit z (autocast).
+    """
+    return _affine_softmax(z, a, c, out_dtype=out_dtype)
 
 
 def affine_softmax_(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> None:
@@ -134,9 +138,9 @@ def affine_(z: Tensor, a: Tensor, c: Tensor) -> None:
     _affine_inplace(z, a, c)
 
 
-def affine(z: Tensor, a: Tensor, c: Tensor) -> Tensor:
-    """``a * z + c`` into a new tensor of z's dtype."""
-    return _affine(z, a, c)
+def affine(z: Tensor, a: Tensor, c: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``a * z + c`` into a new tensor of ``out_dtype`` (z's, or float32 from a 16-bit z)."""
+    return _affine(z, a, c, out_dtype=out_dtype)
 
 
 def bn_fold_batch(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
@@ -186,9 +190,13 @@ def head_grad_z(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor], z
     return _head_grad_z(grad, out, rowdot, z, coef)
 
 
-def backward_matmul(a: Tensor, b: Tensor, precision: str) -> Tensor:
-    """``a @ b`` in the forward GEMM's precision (the backward's dX and dW GEMMs)."""
-    return _backward_matmul(a, b, precision)
+def backward_matmul(a: Tensor, b: Tensor, precision: str, *,
+                    out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``a @ b`` in the forward GEMM's precision (the backward's dX and dW GEMMs).
+
+    ``out_dtype``: a's (None), or float32 for 16-bit a and b (written by the GEMM itself).
+    """
+    return _backward_matmul(a, b, precision, out_dtype=out_dtype)
 
 
 # --------------------------------------------------------------------------- CPU kernels
@@ -255,9 +263,20 @@ def _affine_softmax64(z, a, c, op):
     return torch.softmax(_affine64(z, a, c), dim=1)
 
 
+def _out_dtype(z: Tensor, out_dtype: Optional[torch.dtype], op: str) -> torch.dtype:
+    """The CUDA kernels' rule: z's dtype, or float32 from a 16-bit z."""
+    if out_dtype is None or out_dtype == z.dtype:
+        return z.dtype
+    if out_dtype == torch.float32 and z.element_size() == 2:
+        return out_dtype
+    raise RuntimeError(f"epifuse::{op}: out_dtype must be z's dtype ({z.dtype}) or float32 for "
+                       f"a 16-bit z, got {out_dtype}")
+
+
 @torch.library.register_kernel("epifuse::affine_softmax", "cpu")
-def _affine_softmax_cpu(z, a, c):
-    return _affine_softmax64(z, a, c, "affine_softmax").to(z.dtype)
+def _affine_softmax_cpu(z, a, c, *, out_dtype=None):
+    dtype = _out_dtype(z, out_dtype, "affine_softmax")
+    return _affine_softmax64(z, a, c, "affine_softmax").to(dtype)
 
 
 @torch.library.register_kernel("epifuse::affine_softmax_", "cpu")
@@ -274,10 +293,11 @@ def _affine_inplace_cpu(z, a, c):
 
 
 @torch.library.register_kernel("epifuse::affine", "cpu")
-def _affine_cpu(z, a, c):
+def _affine_cpu(z, a, c, *, out_dtype=None):
     if z.dim() != 2:
         raise RuntimeError(f"epifuse: expected a 2-D tensor, got {z.dim()}-D")
-    return _affine64(z, a, c).to(z.dtype).contiguous()  # the CUDA kernel's layout
+    dtype = _out_dtype(z, out_dtype, "affine")
+    return _affine64(z, a, c).to(dtype).contiguous()  # the CUDA kernel's layout
 
 
 @torch.library.register_kernel("epifuse::bn_fold_batch", "cpu")
@@ -344,9 +364,9 @@ def _head_grad_z_cpu(grad, out, rowdot, z, coef):
 
 
 @torch.library.register_kernel("epifuse::backward_matmul", "cpu")
-def _backward_matmul_cpu(a, b, precision):
+def _backward_matmul_cpu(a, b, precision, *, out_dtype=None):
     _checks.check_matmul(a, b, precision, "backward_matmul")
-    return (a.to(_F64) @ b.to(_F64)).to(a.dtype)
+    return (a.to(_F64) @ b.to(_F64)).to(_out_dtype(a, out_dtype, "backward_matmul"))
 
 
 # --------------------------------------------------------------------------- fake kernels
@@ -388,9 +408,9 @@ def _bn_fold_eval_fake(bias, gamma, beta, pre_scale, post_scale, running_mean, r
 
 
 @torch.library.register_fake("epifuse::affine_softmax")
-def _affine_softmax_fake(z, a, c):
+def _affine_softmax_fake(z, a, c, *, out_dtype=None):
     torch._check(z.dim() == 2, lambda: "z must be 2-D")
-    return z.new_empty(z.shape)
+    return z.new_empty(z.shape, dtype=out_dtype or z.dtype)
 
 
 @torch.library.register_fake("epifuse::affine_softmax_")
@@ -404,9 +424,9 @@ def _affine_inplace_fake(z, a, c):
 
 
 @torch.library.register_fake("epifuse::affine")
-def _affine_fake(z, a, c):
+def _affine_fake(z, a, c, *, out_dtype=None):
     torch._check(z.dim() == 2, lambda: "z must be 2-D")
-    return z.new_empty(z.shape)
+    return z.new_empty(z.shape, dtype=out_dtype or z.dtype)
 
 
 @torch.library.register_fake("epifuse::bn_fold_batch")
@@ -447,7 +467,7 @@ def _head_grad_z_fake(grad, out, rowdot, z, coef):
 
 
 @torch.library.register_fake("epifuse::backward_matmul")
-def _backward_matmul_fake(a, b, precision):
+def _backward_matmul_fake(a, b, precision, *, out_dtype=None):
     torch._check(a.dim() == 2 and b.dim() == 2, lambda: "a and b must be 2-D")
     torch._check(a.shape[1] == b.shape[0], lambda: "a and b disagree on K")
-    return a.new_empty((a.shape[0], b.shape[1]))
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype or a.dtype)

@@ -13,12 +13,11 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections import Counter
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from .cases import DTYPES, MODES, PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
+from .cases import PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
 
 # --------------------------------------------------------------------------- rows and cells
 
@@ -193,7 +192,8 @@ def _gemm_table(rows: Sequence[dict], notes: Notes, env: dict) -> tuple[list, li
              f"{mm_label(env)} ms", "TFLOP/s", "end-to-end ms", "end-to-end / GEMM"], cells, 4)
 
 
-def softmax_gbps(r: dict, impl: str, copy: Optional[dict] = None, of_copy: bool = False):
+def softmax_gbps(r: dict, impl: str, copy: Optional[dict] = None, of_copy: bool = False
+                 ) -> Optional[float]:
     t = ms(r, impl)
     g = r["bytes_read_plus_written"] / (t * 1e-3) / 1e9 if t else None
     if of_copy:
@@ -431,9 +431,18 @@ def impls_drawn(rows: Sequence[dict]) -> list[str]:
     return ["ours", "eager"] + (["compile"] if any(r["compile_timed"] for r in rows) else [])
 
 
+def _panels(rows, key, label) -> dict:
+    out: dict = {}
+    for r in rows:
+        if not r.get("skipped"):
+            out.setdefault(key(r), []).append(r)
+    return {k: (v, [label(r) for r in v]) for k, v in out.items()}
+
+
 def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None]) -> list[str]:
-    """bench.png, bench-train-step.png, bench-sweep.png, softmax.png in ``out_dir`` (those with
-    data); [] with a message without matplotlib."""
+    """bench.png, bench-train-step.png, bench-sweep.png and softmax.png (those with data) in
+    ``out_dir``: grouped bars, a panel per shape (sweep: per dtype and mode; softmax: per dtype);
+    [] with a message without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -442,13 +451,45 @@ def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None
         log("matplotlib is not installed, so no chart was drawn (pip install matplotlib)")
         return []
     forwards, steps, sweep = split(rows)
+
+    def shape(r: dict) -> str:
+        return f"problem {r['problem']} ({PROBLEM_NAMES[r['problem']]}), {r['M']}x{r['K']}->{r['N']}"
+
+    charts = [
+        ("bench.png", _panels(forwards, shape, lambda r: f"{r['dtype']}\n{r['mode']}"),
+         impls_drawn(rows), ms, "ms per forward"),
+        ("bench-train-step.png", _panels(steps, shape, lambda r: r["dtype"]), impls_drawn(rows),
+         ms, "ms per step"),
+        ("bench-sweep.png", _panels(sweep, lambda r: f"{r['dtype']} {r['mode']}, problem 84, "
+                                    f"{r['K']}->{r['N']}", lambda r: str(r["M"])),
+         impls_drawn(rows), ms, "ms per forward, by batch M"),
+        ("softmax.png", _panels(softmax, lambda r: f"row softmax {r['dtype']}",
+                                lambda r: f"{r['M']}x{r['N']}"), ["ours", "torch"],
+         softmax_gbps, "GB/s (read + write)")]
     paths = []
-    for name, fn, data in (("bench.png", _bars, forwards), ("bench-train-step.png", _bars, steps),
-                           ("bench-sweep.png", _sweep, sweep), ("softmax.png", _softmax, softmax)):
-        if not data:
+    for name, panels, impls, value, unit in charts:
+        if not panels:
             continue
         try:
-            fig = fn(plt, data, copy)
+            fig, axes = plt.subplots(len(panels), 1, squeeze=False, figsize=(
+                max(8, 1.3 * max(len(p[0]) for p in panels.values())), 3.6 * len(panels)))
+            width = 0.8 / len(impls)
+            for ax, (title, (rs, labels)) in zip(axes[:, 0], panels.items()):
+                values = []
+                for j, impl in enumerate(impls):
+                    vals = [value(r, impl) or 0.0 for r in rs]
+                    values += vals
+                    ax.bar([i + (j - (len(impls) - 1) / 2) * width for i in range(len(rs))], vals,
+                           width, label=impl, color=COLORS[impl])
+                if value is softmax_gbps and copy and copy.get("gbps"):
+                    ax.axhline(copy["gbps"], color="gray", linestyle=":", label="tensor.copy_")
+                positive = [v for v in values if v > 0]
+                if value is ms and positive and max(positive) / min(positive) > 20:
+                    ax.set_yscale("log")
+                ax.set_xticks(range(len(rs)), labels, fontsize=8)
+                ax.set(ylabel=unit, title=title)
+                ax.grid(axis="y", alpha=0.3)
+                ax.legend(fontsize=8)
             fig.suptitle(f"epifuse {name[:-4]} -- {env.get('gpu')}, torch {env.get('torch')}, "
                          f"CUDA {env.get('cuda')}", fontsize=10)
             fig.tight_layout()
@@ -458,80 +499,3 @@ def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None
         except Exception as e:  # noqa: BLE001 -- a chart must never lose the numbers
             log(f"chart {name} failed: {type(e).__name__}: {e}")
     return paths
-
-
-def _bars(plt, rows, copy):
-    """A panel per problem shape, bars per implementation for each dtype x mode (log scale when
-    the times span more than 20x)."""
-    groups: dict[tuple, list] = {}
-    for r in rows:
-        if not r["skipped"]:
-            groups.setdefault((r["problem"], f"{r['M']}x{r['K']}->{r['N']}"), []).append(r)
-    impls = impls_drawn(rows)
-    fig, axes = plt.subplots(len(groups), 1, squeeze=False, figsize=(
-        max(8, 1.3 * max(len(g) for g in groups.values())), 3.6 * len(groups)))
-    width = 0.8 / len(impls)
-    unit = "step" if rows[0]["mode"] == TRAIN_STEP else "forward"
-    for ax, ((problem, shape), rs) in zip(axes[:, 0], groups.items()):
-        values = []
-        for j, impl in enumerate(impls):
-            xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(rs))]
-            values += [ms(r, impl) or 0.0 for r in rs]
-            ax.bar(xs, [ms(r, impl) or 0.0 for r in rs], width, label=impl, color=COLORS[impl])
-        ax.set_xticks(range(len(rs)), [f"{r['dtype']}\n{r['mode']}" for r in rs], fontsize=8)
-        ax.set_ylabel(f"ms per {unit} (lower is better)")
-        ax.set_title(f"problem {problem} ({PROBLEM_NAMES[problem]}), {shape}", fontsize=10)
-        positive = [v for v in values if v > 0]
-        if positive and max(positive) / min(positive) > 20:
-            ax.set_yscale("log")
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    return fig
-
-
-def _sweep(plt, rows, copy):
-    """Time vs M (log-log): a row of panels per mode, a column per dtype."""
-    rows = [r for r in rows if not r["skipped"]]
-    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
-    dtypes = [d for d in DTYPES if any(r["dtype"] == d for r in rows)]
-    fig, axes = plt.subplots(len(modes), len(dtypes), squeeze=False, sharex=True,
-                             figsize=(3.4 * len(dtypes), 2.9 * len(modes)))
-    for (i, mode), (j, d) in ((a, b) for a in enumerate(modes) for b in enumerate(dtypes)):
-        ax = axes[i, j]
-        for impl in impls_drawn(rows):
-            pts = sorted((r["M"], ms(r, impl)) for r in rows
-                         if r["mode"] == mode and r["dtype"] == d and ms(r, impl))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", markersize=3, color=COLORS[impl], label=impl,
-                        linestyle="-" if impl == "ours" else "--")
-        ax.set(xscale="log", yscale="log", xlabel="M (batch)", ylabel="ms per forward")
-        ax.set_title(f"{d}, {mode}", fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-    return fig
-
-
-def _softmax(plt, rows, copy):
-    """GB/s against the row length; the sweep shares one input size, other points (the head's
-    own shape) are lone stars."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for d, marker in zip(dict.fromkeys(r["dtype"] for r in rows), "os^"):
-        rs = [r for r in rows if r["dtype"] == d]
-        sweep_bytes = Counter(r["bytes_read_plus_written"] for r in rs).most_common(1)[0][0]
-        for impl in ("ours", "torch"):
-            pts = [(r["N"], softmax_gbps(r, impl)) for r in rs
-                   if r["bytes_read_plus_written"] == sweep_bytes and softmax_gbps(r, impl)]
-            if pts:
-                ax.plot(*zip(*pts), marker=marker, color=COLORS[impl], label=f"{impl} {d}")
-            for r in rs:
-                if r["bytes_read_plus_written"] != sweep_bytes and softmax_gbps(r, impl):
-                    ax.plot([r["N"]], [softmax_gbps(r, impl)], marker="*", markersize=10,
-                            color=COLORS[impl], linestyle="none",
-                            label=f"{impl} {d} {r['M']}x{r['N']}")
-    if copy and copy.get("gbps"):
-        ax.axhline(copy["gbps"], color="gray", linestyle=":", label="tensor.copy_")
-    ax.set_xscale("log", base=2)
-    ax.set(xlabel="row length N", ylabel="GB/s (read + write)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    return fig

@@ -33,7 +33,8 @@ from epifuse import ops, problems
 from epifuse.head import fast_path_reason
 from epifuse.precision import resolve_precision
 
-from .timing import Settings, l2_flush, measure, measure_rounds, rotation_count, to_dict
+from .timing import (Settings, l2_flush, measure, measure_host_checked, measure_rounds,
+                     rotation_count, to_dict)
 
 SEED = 0
 IMPLS = ("ours", "eager", "compile")
@@ -339,133 +340,119 @@ class Runner:
         if self.verbose:
             self.log("".join(traceback.format_exception(e)))
 
-    def _callable(self, case: Case, state: dict, impl: str) -> Callable:
-        model = build(case, state, self.device, new=impl == "ours")
-        fn = model
-        if impl == "compile":
-            torch._dynamo.reset()  # a fresh cache: no recompile limit, no stale matmul policy
-            fn = torch.compile(model)
-        return make_step(model, fn) if case.mode == TRAIN_STEP else fn
-
-    def _scope(self, case: Case) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        stack.enter_context(case.spec.context())
-        if case.mode != TRAIN_STEP:
-            stack.enter_context(torch.no_grad())
-        return stack
-
-    def run_case(self, case: Case, state: dict) -> dict:
-        row, device = new_row(case), self.device
-        if case.skip:
-            return row
-        row["_label"], t0 = case.label, time.perf_counter()
-        # Errors against float64, on fresh copies of the same state.
-        x = make_inputs(case, device, 1, seed=SEED + 100)[0]
-        try:
-            with case.spec.context():
-                ref = reference64(case, state, device, x)
-                for impl in ("ours", "eager"):
-                    try:
-                        got = errors(build(case, state, device, new=impl == "ours"), x, ref)
-                        row["errors_vs_fp64"].update(
-                            {f"{impl}:{k}" if k else impl: v for k, v in got.items()})
-                    except Exception as e:  # noqa: BLE001
-                        self.failed(row, f"accuracy:{impl}", e)
-            del ref
-        except Exception as e:  # noqa: BLE001
-            for impl in ("ours", "eager"):
-                self.failed(row, f"accuracy:{impl}", e, "fp64 reference failed: ")
-        del x
-        free_memory(device)
-        try:
-            count = rotation_count(input_bytes(case), device)
-            inputs = make_inputs(case, device, count, seed=SEED + 1000)
-            x0 = inputs[0][0] if case.mode == TRAIN_STEP else inputs[0]
-            reason = fast_path_reason(build(case, state, device, new=True), x0)
-            row["path"] = "fused" if reason is None else reason
-        except Exception as e:  # noqa: BLE001 -- e.g. out of memory for the inputs
-            for impl in IMPLS:
-                row["failures"][impl] = describe(e)
-            self.log(f"  {case.label}: set-up failed: {describe(e)}")
-            return self._done(row, t0)
-        self._time(case, state, inputs, row)
-        if case.gemm_alone:
-            self._time_gemm(case, state, inputs, row)
-        inputs.clear()  # closures hold the list: empty it to free the tensors
-        free_memory(device)
-        key = (case.shape, case.mode)
-        if case.spec.name == KB_REFERENCE:
-            self.kb[key] = (row["timings_ms"].get("eager") or {}).get("median_ms")
-        elif key not in self.kb:  # eager fp32-ieee, when that column is not in the plan
-            ref_case = Case(case.shape, DTYPES[KB_REFERENCE], case.mode)
-            try:
-                fn = self._callable(ref_case, state, "eager")
-                xs = make_inputs(ref_case, device, rotation_count(input_bytes(ref_case), device),
-                                 seed=SEED + 200)
-                with self._scope(ref_case):
-                    self.kb[key] = measure(fn, xs, device, self.settings).median * 1e3
-                del fn, xs
-            except Exception as e:  # noqa: BLE001
-                self.kb[key] = None
-                self.log(f"  {case.label}: KernelBench reference (eager fp32-ieee) failed: "
-                         f"{describe(e)}")
-            free_memory(device)
-        row["kb_reference_ms"] = self.kb[key]
-        return self._done(row, t0)
-
-    def _done(self, row: dict, t0: float) -> dict:
-        row.pop("_label", None)
-        row["wall_s"] = round(time.perf_counter() - t0, 2)
-        return row
-
-    def _time(self, case: Case, state: dict, inputs: list, row: dict) -> None:
-        """ours, eager and (if planned) compile, in interleaved rounds."""
+    def _callables(self, case: Case, state: dict, impls) -> dict:
+        """What one timed call of each implementation runs (or why it cannot): a forward of the
+        model or of its torch.compile wrapper, or a training step of it."""
         fns = {}
-        for impl in IMPLS:
-            if impl == "compile" and not case.compile:
-                row["failures"]["compile"] = case.compile_note or "not run"
-                continue
+        for impl in impls:
             try:
-                fns[impl] = self._callable(case, state, impl)
-            except Exception as e:  # noqa: BLE001
-                self.failed(row, impl, e)
-        with self._scope(case):
+                model = fn = build(case, state, self.device, new=impl == "ours")
+                if impl == "compile":
+                    torch._dynamo.reset()  # a fresh cache: no recompile limit, no stale policy
+                    fn = torch.compile(model)
+                fns[impl] = make_step(model, fn) if case.mode == TRAIN_STEP else fn
+            except Exception as e:  # noqa: BLE001 -- any failure becomes a table entry
+                fns[impl] = e
+        return fns
+
+    def _measure(self, case: Case, inputs: list, row: dict, fns: dict) -> None:
+        """``fns`` in interleaved rounds, under the case's matmul policy (and no_grad for a
+        forward); each implementation's time or failure goes into ``row``."""
+        for impl, fn in list(fns.items()):
+            if isinstance(fn, Exception):
+                self.failed(row, impl, fns.pop(impl))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(case.spec.context())
+            if case.mode != TRAIN_STEP:
+                stack.enter_context(torch.no_grad())
             timings = measure_rounds(fns, inputs, self.device, self.settings)
         for impl, t in timings.items():
             if isinstance(t, Exception):
                 self.failed(row, impl, t)
             else:
                 row["timings_ms"][impl] = to_dict(t)
-        del fns, timings
-        if case.compile:
-            torch._dynamo.reset()
+        fns.clear()
         free_memory(self.device)
 
-    def _time_gemm(self, case: Case, state: dict, inputs: list, row: dict) -> None:
-        """Our GEMM op alone, and torch.mm, on the same inputs (a forward mode)."""
-        spec, n = case.spec, case.shape.n
-        w = state["gemm.weight"].to(spec.dtype).contiguous()
-        gen = torch.Generator(self.device).manual_seed(SEED + 300)
-        a = torch.rand(n, generator=gen, device=self.device) + 0.5
-        c = torch.randn(n, generator=gen, device=self.device) * 0.1
-        prec = resolve_precision(spec.precision, spec.dtype)
-        row["gemm_op"] = "gemm_colstats" if case.mode == "train" else "gemm_affine"
-        fns = {"gemm": (lambda x: ops.gemm_colstats(x, w, prec)) if case.mode == "train"
-               else (lambda x: ops.gemm_affine(x, w, a, c, prec)),
-               "torch_mm": lambda x: torch.mm(x, w.t())}
-        for impl, fn in fns.items():
-            try:
-                with self._scope(case):
-                    row["timings_ms"][impl] = to_dict(measure(fn, inputs, self.device,
-                                                              self.settings))
-            except Exception as e:  # noqa: BLE001
-                self.failed(row, impl, e)
-            free_memory(self.device)
+    def run_case(self, case: Case, state: dict) -> dict:
+        row, device = new_row(case), self.device
+        if case.skip:
+            return row
+        row["_label"], t0 = case.label, time.perf_counter()
+        self._errors(case, state, row)
+        try:
+            inputs = make_inputs(case, device, rotation_count(input_bytes(case), device),
+                                 seed=SEED + 1000)
+            x0 = inputs[0][0] if case.mode == TRAIN_STEP else inputs[0]
+            reason = fast_path_reason(build(case, state, device, new=True), x0)
+            row["path"] = "fused" if reason is None else reason
+        except Exception as e:  # noqa: BLE001 -- e.g. out of memory for the inputs
+            row["failures"].update({impl: describe(e) for impl in IMPLS})
+            self.log(f"  {case.label}: set-up failed: {describe(e)}")
+            inputs = []
+        if inputs:
+            if not case.compile:
+                row["failures"]["compile"] = case.compile_note or "not run"
+            self._measure(case, inputs, row,
+                          self._callables(case, state, IMPLS if case.compile else IMPLS[:2]))
+            if case.compile:
+                torch._dynamo.reset()
+            if case.gemm_alone:  # our GEMM op alone, and torch.mm, on the same inputs
+                w = state["gemm.weight"].to(case.spec.dtype).contiguous()
+                gen = torch.Generator(device).manual_seed(SEED + 300)
+                a = torch.rand(case.shape.n, generator=gen, device=device) + 0.5
+                c = torch.randn(case.shape.n, generator=gen, device=device) * 0.1
+                prec = resolve_precision(case.spec.precision, case.spec.dtype)
+                train = case.mode == "train"
+                row["gemm_op"] = "gemm_colstats" if train else "gemm_affine"
+                self._measure(case, inputs, row, {
+                    "gemm": (lambda x: ops.gemm_colstats(x, w, prec)) if train
+                    else (lambda x: ops.gemm_affine(x, w, a, c, prec)),
+                    "torch_mm": lambda x: torch.mm(x, w.t())})
+            inputs.clear()
+            free_memory(device)
+            key = (case.shape, case.mode)
+            if case.spec.name == KB_REFERENCE:
+                self.kb[key] = (row["timings_ms"].get("eager") or {}).get("median_ms")
+            elif key not in self.kb:  # eager fp32-ieee, when that column is not in the plan
+                ref_case = Case(case.shape, DTYPES[KB_REFERENCE], case.mode)
+                ref = dict(new_row(ref_case), _label=f"{case.label}: KernelBench reference "
+                                                     "(eager fp32-ieee)")
+                try:
+                    xs = make_inputs(ref_case, device, rotation_count(input_bytes(ref_case),
+                                                                      device), seed=SEED + 200)
+                    self._measure(ref_case, xs, ref, self._callables(ref_case, state, ["eager"]))
+                except Exception as e:  # noqa: BLE001
+                    self.failed(ref, "eager", e)
+                self.kb[key] = (ref["timings_ms"].get("eager") or {}).get("median_ms")
+                free_memory(device)
+            row["kb_reference_ms"] = self.kb[key]
+        row.pop("_label")
+        row["wall_s"] = round(time.perf_counter() - t0, 2)
+        return row
+
+    def _errors(self, case: Case, state: dict, row: dict) -> None:
+        """Errors of ours and eager against a float64 twin, on fresh copies of the same state:
+        of the output (key "<impl>") or of a step's dX and dW ("<impl>:dx", "<impl>:dw")."""
+        try:
+            x = make_inputs(case, self.device, 1, seed=SEED + 100)[0]
+            with case.spec.context():
+                ref = reference64(case, state, self.device, x)
+                for impl in ("ours", "eager"):
+                    try:
+                        got = errors(build(case, state, self.device, new=impl == "ours"), x, ref)
+                        row["errors_vs_fp64"].update(
+                            {f"{impl}:{k}" if k else impl: v for k, v in got.items()})
+                    except Exception as e:  # noqa: BLE001
+                        self.failed(row, f"accuracy:{impl}", e)
+        except Exception as e:  # noqa: BLE001
+            for impl in ("ours", "eager"):
+                self.failed(row, f"accuracy:{impl}", e, "fp64 reference failed: ")
+        x = ref = None
+        free_memory(self.device)
 
     def host_point(self, case: Case, state: dict) -> dict:
         """Host time of one forward (under torch.no_grad()) of ours and eager."""
-        from .timing import measure_host_checked
-
         s = case.shape
         row = {"problem": s.problem, "tag": s.tag, "M": s.m, "K": s.k, "N": s.n,
                "dtype": case.spec.name, "mode": case.mode, "timings_us": {}, "failures": {},

@@ -103,14 +103,13 @@ def test_run_case_forward_times_the_gemm_alone_and_the_kernelbench_reference(sta
 
 def test_a_failing_implementation_is_a_table_entry(state, monkeypatch):
     runner = Runner(CPU, timing.Settings(warmup=1, iters=2, max_seconds=0.1), lambda m: None)
-    real = Runner._callable
+    real = Runner._callables
 
-    def broken(self, case, state, impl):
-        if impl == "ours":
-            raise RuntimeError("no kernel for this")
-        return real(self, case, state, impl)
+    def broken(self, case, state, impls):  # ours cannot be built; eager can
+        fns = real(self, case, state, impls)
+        return dict(fns, ours=RuntimeError("no kernel for this")) if "ours" in fns else fns
 
-    monkeypatch.setattr(Runner, "_callable", broken)
+    monkeypatch.setattr(Runner, "_callables", broken)
     r = runner.run_case(Case(SHAPE, DTYPES["bf16"], "eval"), state)
     assert "ours" not in r["timings_ms"] and "eager" in r["timings_ms"]
     assert r["failures"]["ours"] == "RuntimeError: no kernel for this"

@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from epifuse import ops, problems
+from epifuse.__main__ import init_inputs
 from epifuse.head import fast_path_reason
 from epifuse.precision import resolve_precision
 
@@ -187,10 +188,9 @@ def build_plan(problems_: list[int], dtypes: list[str], modes: list[str], *, com
 # --------------------------------------------------------------------------- models and inputs
 
 def _init_args(shape: Shape) -> list:
-    """The problem's get_init_inputs() with in/out features set to K, N."""
-    module = problems.BY_NUMBER[shape.problem]
-    return [shape.k, shape.n] + [(shape.n,) if a == (module.out_features,) else a
-                                 for a in list(module.get_init_inputs())[2:]]
+    """The problem's get_init_inputs() with in/out features set to K, N (as python -m epifuse
+    resizes them)."""
+    return init_inputs(problems.BY_NUMBER[shape.problem], (shape.m, shape.k, shape.n))[1]
 
 
 @torch.no_grad()

@@ -184,7 +184,7 @@ def load_previous(path: str, env: dict, log) -> Optional[dict]:
 
 
 def _summary(r: dict) -> str:
-    label = f"p{r['problem']} {r['M']}x{r['K']}->{r['N']} {r['dtype']} {r['mode']}"
+    label = f"p{r['problem']} {report.dims(r)} {r['dtype']} {r['mode']}"
     if r["skipped"]:
         return f"{label}: skipped ({r['skipped']})"
     parts = [f"{label}: ours {report.fmt_ms(report.ms(r, 'ours'))} ms"] + [

@@ -148,7 +148,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                     r = _run_config(shape, dtype, ddp, device, rank, args.warmup, args.iters)
                     results.append(r)
                     if rank == 0:
-                        print(f"[bench.distributed] p{problem} {shape} {dtype}"
+                        print(f"[benchmarks.distributed] p{problem} {shape} {dtype}"
                               f"{' ddp' if ddp else ''}: ours {r.ours_ms:.3f} ms, reference "
                               f"{r.reference_ms:.3f} ms ({r.speedup:.2f}x), {r.path}", flush=True)
                     if device.type == "cuda":

@@ -145,7 +145,8 @@ def markdown(table: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gemm_precision", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gemm_precision",
+                                 description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problems", "--problem", type=int, nargs="+", default=[84, 39],
                     choices=sorted(SHAPES))

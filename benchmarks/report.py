@@ -22,6 +22,10 @@ from .cases import PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
 # --------------------------------------------------------------------------- rows and cells
 
 
+def dims(row: dict) -> str:
+    return f"{row['M']}x{row['K']}->{row['N']}"
+
+
 def ms(row: dict, impl: str) -> Optional[float]:
     t = row["timings_ms"].get(impl)
     return t["median_ms"] if t else None
@@ -118,8 +122,7 @@ def _err(impl: str, key: str, what: str):
 
 
 def _head(row: dict) -> list[str]:
-    return [f"{row['problem']} {PROBLEM_NAMES[row['problem']]}", f"{row['M']}x{row['K']}->{row['N']}",
-            row["dtype"]]
+    return [f"{row['problem']} {PROBLEM_NAMES[row['problem']]}", dims(row), row["dtype"]]
 
 
 # Every model table: path, times, rate and speed-ups (then its error columns).
@@ -146,7 +149,8 @@ def _model_table(rows: Sequence[dict], notes: Notes, step: bool) -> tuple[list, 
     for r in rows:
         first = _head(r) + ([] if step else [r["mode"]])
         if r["skipped"]:
-            cells.append(first + ["skipped " + notes.ref(r["skipped"])] + ["-"] * (len(columns) - 1))
+            skipped = f"skipped {notes.ref(r['skipped'])}"
+            cells.append(first + [skipped] + ["-"] * (len(columns) - 1))
         else:
             cells.append(first + [cell(r, notes) for _, cell in columns])
     return head + [h for h, _ in columns], cells, len(head) + 1
@@ -184,7 +188,7 @@ def _gemm_table(rows: Sequence[dict], notes: Notes, env: dict) -> tuple[list, li
     for r in rows:
         if r["gemm_alone"] and not r["skipped"]:
             over = ms(r, "ours") / ms(r, "gemm") if ms(r, "ours") and ms(r, "gemm") else None
-            cells.append([f"{r['M']}x{r['K']}->{r['N']}", r["dtype"], r["mode"], r["gemm_op"] or "-",
+            cells.append([dims(r), r["dtype"], r["mode"], r["gemm_op"] or "-",
                           _time(r, "gemm", notes), fmt_rate(tflops(r, "gemm")),
                           _time(r, "torch_mm", notes), fmt_rate(tflops(r, "torch_mm")),
                           _time(r, "ours", notes), fmt_num(over, 2)])
@@ -192,13 +196,10 @@ def _gemm_table(rows: Sequence[dict], notes: Notes, env: dict) -> tuple[list, li
              f"{mm_label(env)} ms", "TFLOP/s", "end-to-end ms", "end-to-end / GEMM"], cells, 4)
 
 
-def softmax_gbps(r: dict, impl: str, copy: Optional[dict] = None, of_copy: bool = False
-                 ) -> Optional[float]:
+def softmax_gbps(r: dict, impl: str) -> Optional[float]:
+    """Bytes read + written per second, in GB/s."""
     t = ms(r, impl)
-    g = r["bytes_read_plus_written"] / (t * 1e-3) / 1e9 if t else None
-    if of_copy:
-        return g / copy["gbps"] if g and copy and copy.get("gbps") else None
-    return g
+    return r["bytes_read_plus_written"] / (t * 1e-3) / 1e9 if t else None
 
 
 def _softmax_table(rows: Sequence[dict], notes: Notes, copy) -> tuple[list, list, int]:
@@ -206,12 +207,16 @@ def _softmax_table(rows: Sequence[dict], notes: Notes, copy) -> tuple[list, list
         e = r["errors_vs_fp64"].get(impl)
         return "n/a" if e is None else f"{e['max_abs']:.1e}" if e["finite"] else "non-finite"
 
+    def of_copy(g):
+        return g / copy["gbps"] if g and copy and copy.get("gbps") else None
+
     cells = []
     for r in rows:
         ours, ref = ms(r, "ours"), ms(r, "torch")
         cells.append([r["dtype"], str(r["N"]), str(r["M"])] + [
             c for impl in ("ours", "torch") for c in (
-                _time(r, impl, notes, "softmax "), fmt_rate(softmax_gbps(r, impl)), fmt_pct(softmax_gbps(r, impl, copy, True)))]
+                _time(r, impl, notes, "softmax "), fmt_rate(softmax_gbps(r, impl)),
+                fmt_pct(of_copy(softmax_gbps(r, impl))))]
             + [fmt_x(ref / ours if ours and ref else None), err(r, "ours"), err(r, "torch")])
     return (["dtype", "N", "M", "ours ms", "ours GB/s", "of copy", "torch ms", "torch GB/s",
              "of copy", "vs torch", "max err ours", "max err torch"], cells, 1)
@@ -393,9 +398,9 @@ def git_commit() -> Optional[str]:
 
 def environment(device: torch.device) -> dict:
     args = " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = os.environ.get("EPIFUSE_BENCH_CMD") or "python -m benchmarks"  # or bench.sh's name
     info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            # scripts/bench.sh names itself in EPIFUSE_BENCH_CMD
-            "command": f"{os.environ.get('EPIFUSE_BENCH_CMD') or 'python -m benchmarks'} {args}".strip(),
+            "command": f"{command} {args}".strip(),
             "argv": list(sys.argv), "python": platform.python_version(),
             "platform": platform.platform(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "git_commit": git_commit(), "device": str(device)}
@@ -453,7 +458,7 @@ def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None
     forwards, steps, sweep = split(rows)
 
     def shape(r: dict) -> str:
-        return f"problem {r['problem']} ({PROBLEM_NAMES[r['problem']]}), {r['M']}x{r['K']}->{r['N']}"
+        return f"problem {r['problem']} ({PROBLEM_NAMES[r['problem']]}), {dims(r)}"
 
     charts = [
         ("bench.png", _panels(forwards, shape, lambda r: f"{r['dtype']}\n{r['mode']}"),

@@ -128,7 +128,8 @@ class _Timed:
 
 def measure_rounds(fns: Mapping[str, Callable[[Any], object]], inputs: Sequence[Any],
                    device: torch.device, settings: Settings, rounds: int = 3,
-                   flush: Optional[torch.Tensor] = None) -> dict[str, Union[Measurement, Exception]]:
+                   flush: Optional[torch.Tensor] = None
+                   ) -> dict[str, Union[Measurement, Exception]]:
     """Time ``fn(inputs[i % len(inputs)])`` for each of ``fns``, interleaved in ``rounds`` rounds
     (each runs its share of its calls in turn); an implementation that raises gets its exception."""
     if not inputs:

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from epifuse import ops, problems
+from epifuse import cli, ops, problems
 from epifuse.__main__ import init_inputs
 from epifuse.head import fast_path_reason
 from epifuse.precision import resolve_precision
@@ -75,7 +75,7 @@ DTYPES = {
 KB_REFERENCE = "fp32-ieee"  # the KernelBench reference: eager PyTorch, fp32, no TF32
 MODES = ("train", "eval", "train-step")
 TRAIN_STEP = "train-step"
-PROBLEM_NAMES = {84: "gemm_bn_scale_softmax", 39: "gemm_scale_bn"}
+PROBLEM_NAMES = cli.problem_names()  # 84: gemm_bn_scale_softmax, 39: gemm_scale_bn
 
 
 @dataclass(frozen=True)

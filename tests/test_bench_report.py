@@ -74,15 +74,16 @@ def test_gpu_report_names_cuda_events_and_cublas():
 
 
 def test_markdown_tables_keep_the_benchmarks_md_columns():
-    """BENCHMARKS.md's rows stay comparable: same headers, same cell formats."""
+    """BENCHMARKS.md's rows stay comparable: its tables' columns are all still there, in the
+    same order (new columns may be added), and the cells keep their formats."""
     md = report.markdown_report(GPU, SETTINGS, [_result(True), _step_result()], [], None,
                                 host=[_host_result()])
     bench_md = (ROOT / "BENCHMARKS.md").read_text()
     for title in (report.FORWARD_TITLE, report.STEP_TITLE, report.HOST_TITLE,
                   "Our GEMM alone (KernelBench shapes)"):
-        ours = md.split(f"## {title}\n\n", 1)[1].splitlines()[:2]
-        theirs = bench_md.split(f"## {title}\n\n", 1)[1].splitlines()[:2]
-        assert ours == theirs, title  # the header and alignment rows
+        ours, theirs = (iter(doc.split(f"## {title}\n\n", 1)[1].splitlines()[0].split(" | "))
+                        for doc in (md, bench_md))
+        assert all(header in ours for header in theirs), title  # a subsequence
     assert "| 84 gemm_bn_scale_softmax | 32x256->256 | bf16 | eval | - | 1.000 | 0.004 |" in md
 
 

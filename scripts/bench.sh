@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/bench.sh -- the epifuse benchmark: `python -m epifuse.bench ARGS`.
+# scripts/bench.sh -- the epifuse benchmark: `python -m benchmarks ARGS` (benchmarks/).
 #
 #   scripts/bench.sh                         # everything at KernelBench sizes (GPU)
 #   scripts/bench.sh --quick --no-compile    # a fast smoke run
@@ -9,7 +9,8 @@
 #
 # Assumes epifuse was built (and installed) by scripts/build.sh. The working
 # tree's python/ is used when its compiled library is there (build.sh puts it
-# there), so the benchmark always matches the checkout. Output: bench-out/.
+# there), so the benchmark always matches the checkout. Runs from any folder;
+# output: bench-out/ in the repository (or --out).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # --help: the comment block above, without building, installing or writing anything.
@@ -17,8 +18,8 @@ usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 for arg in "$@"; do
   if [[ "$arg" == -h || "$arg" == --help ]]; then
     usage
-    printf '\nOptions (python -m epifuse.bench --help):\n'
-    "$ROOT/scripts/_module_help.sh" epifuse.bench
+    printf '\nOptions (python -m benchmarks --help):\n'
+    "$ROOT/scripts/_module_help.sh" benchmarks
     exit 0
   fi
 done
@@ -29,10 +30,10 @@ command -v "$PY" >/dev/null 2>&1 || { echo "[epifuse] error: python interpreter 
 if [[ -f "$ROOT/python/epifuse/lib/libepifuse_ops.so" ]]; then
   export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
-if ! err="$("$PY" -c 'import epifuse.bench' 2>&1)"; then
+if ! err="$("$PY" -c 'import epifuse, benchmarks.cases' 2>&1)"; then
   printf '%s\n' "$err" | tail -n 5 >&2
   echo "[epifuse] error: cannot import epifuse with $PY. Build and install it first: scripts/build.sh" >&2
   exit 1
 fi
 export EPIFUSE_BENCH_CMD="scripts/bench.sh"
-exec "$PY" -m epifuse.bench "$@"
+exec "$PY" -m benchmarks "$@"

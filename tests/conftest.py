@@ -13,6 +13,7 @@ try:  # an installed epifuse (pip install ./python) wins; else the source tree
 except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     import epifuse  # noqa: F401
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # benchmarks/ (not in the package)
 
 
 def pytest_configure(config):

@@ -1,11 +1,11 @@
-"""What the benchmark measures (epifuse.bench.configs.build_plan), CPU only."""
+"""What the benchmark measures (benchmarks.cases.build_plan), CPU only."""
 
 from __future__ import annotations
 
 import pytest
 
-from epifuse.bench.configs import (DTYPES, HEAD_SOFTMAX_SHAPE, MODES, SOFTMAX_BYTES,
-                                   SOFTMAX_TORCH_DTYPES, build_plan)
+from benchmarks.cases import (DTYPES, HEAD_SOFTMAX_SHAPE, MODES, SOFTMAX_BYTES, SOFTMAX_DTYPES,
+                              TRAIN_STEP, Case, build_plan)
 
 
 def _plan(**overrides):
@@ -16,20 +16,18 @@ def _plan(**overrides):
 
 
 def test_gemm_alone_on_both_kernelbench_shapes():
-    plan = _plan()
-    alone = {(c.shape.problem, c.shape.tag) for c in plan.cases if c.gemm_alone}
+    alone = {(c.shape.problem, c.shape.tag) for c in _plan().cases if c.gemm_alone}
     assert alone == {(84, "kernelbench"), (39, "kernelbench")}
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_softmax_at_the_head_shape_and_over_row_lengths(dtype):
-    points = [p for p in _plan().softmax_points if p.dtype == dtype]
+    points = [(n, m) for d, n, m in _plan().softmax_points if d == dtype]
     m, n = HEAD_SOFTMAX_SHAPE
-    assert [(p.m, p.n) for p in points].count((m, n)) == 1, "problem 84's own softmax shape"
-    esize = SOFTMAX_TORCH_DTYPES[dtype].itemsize
-    sweep = [p for p in points if (p.m, p.n) != (m, n)]
-    assert [p.n for p in sweep] == [2 ** i for i in range(6, 17)]
-    assert all(p.m * p.n * esize == SOFTMAX_BYTES for p in sweep)
+    assert points.count((n, m)) == 1, "problem 84's own softmax shape"
+    sweep = [p for p in points if p != (n, m)]
+    assert [p[0] for p in sweep] == [2 ** i for i in range(6, 17)]
+    assert all(pn * pm * SOFTMAX_DTYPES[dtype].itemsize == SOFTMAX_BYTES for pn, pm in sweep)
 
 
 def test_no_softmax_points_without_softmax():
@@ -38,12 +36,17 @@ def test_no_softmax_points_without_softmax():
 
 def test_dry_plan_is_tiny():
     plan = _plan(dry=True)
-    assert all(p.m * p.n <= 1 << 20 for p in plan.softmax_points)
+    assert plan.softmax_points and all(n * m <= 1 << 20 for _, n, m in plan.softmax_points)
+    assert all(c.shape.m * c.shape.k <= 1 << 14 for c in plan.cases)
+
+
+def test_kernelbench_reference_first_for_each_shape_and_mode():
+    plan = build_plan([84], ["bf16", "fp32-ieee"], ["eval"], compile=False, sweep=False,
+                      sweep_ms=(), sweep_compile=False, softmax=False, dry=False)
+    assert [c.spec.name for c in plan.cases] == ["fp32-ieee", "bf16"] * 2
 
 
 def test_train_step_on_every_fixed_shape_and_dtype_but_not_the_sweep():
-    from epifuse.bench.configs import TRAIN_STEP
-
     plan = _plan(sweep=True, sweep_ms=(16, 128))
     steps = [c for c in plan.cases if c.mode == TRAIN_STEP]
     fixed = {(c.shape.problem, c.shape.tag) for c in plan.cases if c.shape.tag != "sweep"}
@@ -54,6 +57,16 @@ def test_train_step_on_every_fixed_shape_and_dtype_but_not_the_sweep():
     assert all(c.compile for c in steps)
 
 
+def test_sweep_compiles_only_when_asked_and_skips_one_row_training():
+    plan = _plan(sweep=True, sweep_ms=(1, 16), softmax=False)
+    sweep = [c for c in plan.cases if c.shape.tag == "sweep"]
+    assert sweep and not any(c.compile for c in sweep)
+    assert all("--sweep-compile" in c.compile_note for c in sweep)
+    assert {c.mode for c in sweep if c.skip} == {"train"} and all(
+        c.shape.m == 1 for c in sweep if c.skip)
+    assert all(c.compile for c in _plan(sweep=True, sweep_ms=(16,), sweep_compile=True).cases)
+
+
 def test_full_size_plan_size():
     """The count build_plan's docstring budgets for (45 cases, 10 of them with the GEMM alone)."""
     plan = _plan(softmax=False)
@@ -62,18 +75,15 @@ def test_full_size_plan_size():
 
 
 def test_train_step_is_a_training_mode_and_not_swept():
-    from epifuse.bench.configs import TRAIN_STEP
-
-    from epifuse.bench.configs import is_training
-
     plan = build_plan([84], ["bf16"], ["train-step"], compile=False, sweep=True, sweep_ms=(1,),
                       sweep_compile=False, softmax=False, dry=False)
     assert plan.cases and all(c.mode == TRAIN_STEP and c.skip is None for c in plan.cases)
-    assert is_training("train") and is_training(TRAIN_STEP) and not is_training("eval")
+    shape = plan.cases[0].shape
+    assert [Case(shape, DTYPES["bf16"], m).training for m in MODES] == [True, False, True]
 
 
 def test_modes_option_selects_train_step_and_defaults_to_all():
-    from epifuse.bench.__main__ import parse_args
+    from benchmarks.__main__ import parse_args
 
     assert parse_args(["--modes", "train-step"]).modes == ["train-step"]
     assert parse_args([]).modes == ["train", "eval", "train-step"]

@@ -1,4 +1,4 @@
-"""One vocabulary for `python -m epifuse` and `python -m epifuse.bench` (epifuse.cli), CPU only.
+"""One vocabulary for `python -m epifuse` and `python -m benchmarks` (epifuse.cli), CPU only.
 
 The same words select the same problems, dtypes and precisions in both command lines, and
 every precision name of epifuse.precision.ALIASES (ours and torch's) is accepted by both.
@@ -11,8 +11,8 @@ import torch
 
 from epifuse import __main__ as main_cli
 from epifuse import cli
-from epifuse.bench import __main__ as bench_cli
-from epifuse.bench.configs import DTYPES
+from benchmarks import __main__ as bench_cli
+from benchmarks.cases import DTYPES
 from epifuse.precision import ALIASES
 
 
@@ -83,7 +83,7 @@ def test_bench_columns_are_the_bench_configs():
     (["--problem", ","], "empty value"),
 ])
 @pytest.mark.parametrize("parse", [main_cli.parse_args, bench_cli.parse_args],
-                         ids=["epifuse", "epifuse.bench"])
+                         ids=["epifuse", "benchmarks"])
 def test_bad_words_are_usage_errors(parse, argv, message, capsys):
     with pytest.raises(SystemExit) as info:
         parse(argv)

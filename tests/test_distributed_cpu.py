@@ -141,8 +141,8 @@ def test_gpu_check_script_smoke_on_cpu():
 # --------------------------------------------------------------------------- 2-GPU benchmark
 
 def test_distributed_bench_dry_run_on_cpu(tmp_path):
-    """python -m epifuse.bench.distributed --device cpu: 2 gloo ranks, both models, a table."""
-    from epifuse.bench import distributed as bench_dist
+    """python -m benchmarks.distributed --device cpu: 2 gloo ranks, both models, a table."""
+    from benchmarks import distributed as bench_dist
 
     md = tmp_path / "dist.md"
     assert bench_dist.main(["--device", "cpu", "--problems", "39", "--dtypes", "fp32-tf32",
@@ -154,7 +154,7 @@ def test_distributed_bench_dry_run_on_cpu(tmp_path):
 
 
 def test_distributed_bench_rejects_bad_arguments(capsys):
-    from epifuse.bench import distributed as bench_dist
+    from benchmarks import distributed as bench_dist
 
     with pytest.raises(SystemExit):
         bench_dist.main(["--nproc", "1"])

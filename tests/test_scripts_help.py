@@ -89,13 +89,14 @@ def test_bad_arguments_are_refused_before_any_work(name, args, sandbox):
     assert _tree(repo) | _tree(work) == before and not marks.exists()
 
 
-def test_help_of_a_wrapper_lists_the_module_options(tmp_path):
+@pytest.mark.parametrize("name,option", [("run.sh", "--dtype"), ("bench.sh", "--modes")])
+def test_help_of_a_wrapper_lists_the_module_options(name, option, tmp_path):
     """In the checkout, whose library is built, run.sh --help adds python -m epifuse's options
-    (bench.sh shares the helper, scripts/_module_help.sh)."""
+    and bench.sh --help python -m benchmarks' (from any folder: scripts/_module_help.sh)."""
     if not (SCRIPTS.parent / "python" / "epifuse" / "lib" / "libepifuse_ops.so").is_file():
         pytest.skip("the checkout's library is not built")
     env = dict(os.environ, PYTHON=sys.executable, PYTHONDONTWRITEBYTECODE="1")
-    out = _run(SCRIPTS / "run.sh", ["--help"], tmp_path, env)
+    out = _run(SCRIPTS / name, ["--help"], tmp_path, env)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "--dtype" in out.stdout and "--problem" in out.stdout
+    assert option in out.stdout and "--problem" in out.stdout
     assert not list(tmp_path.iterdir())

@@ -118,6 +118,17 @@ def test_wheel_ships_the_library_its_record_and_py_typed(wheel):
 
 
 @needs_setuptools
+@needs_build
+def test_wheel_holds_the_library_not_the_benchmark(wheel):
+    """The benchmark lives in the repository's benchmarks/, outside the package."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+    assert not [n for n in names if "bench" in n.split("/")[0] or n.startswith("epifuse/bench")]
+    assert all(n.startswith(("epifuse/", "epifuse-")) for n in names), names
+    assert "bench" not in (_metadata(wheel).get_all("Provides-Extra") or [])
+
+
+@needs_setuptools
 def test_no_wheel_without_the_library(tmp_path):
     out = _pip_wheel(_copy_python(tmp_path, library=False, build_info=False), tmp_path / "dist")
     assert out.returncode != 0

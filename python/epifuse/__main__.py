@@ -7,7 +7,7 @@ ran, and time both forwards. Exit status 1 on any mismatch.
 
 On a CUDA machine the problems run at their KernelBench sizes; without a GPU
 the CPU path runs on a small size. Problems, dtypes and precisions are spelled
-as for ``python -m epifuse.bench`` (see ``epifuse.cli``).
+as for ``python -m benchmarks`` (see ``epifuse.cli``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The command-line vocabulary of ``python -m epifuse`` and ``python -m epifuse.bench``.
+"""The command-line vocabulary of ``python -m epifuse`` and ``python -m benchmarks``.
 
 One spelling table for both, so a selection typed for one works for the other:
 

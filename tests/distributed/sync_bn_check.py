@@ -40,11 +40,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]),  # tests/ (helpers)
-                str(Path(__file__).resolve().parents[2] / "python")]
+                str(Path(__file__).resolve().parents[2] / "python"),
+                str(Path(__file__).resolve().parents[2])]  # benchmarks/
 
 import epifuse  # noqa: E402
 from epifuse import head  # noqa: E402
-from epifuse.bench.distributed import CpuSyncBatchNorm  # noqa: E402
+from benchmarks.distributed import CpuSyncBatchNorm  # noqa: E402
 from checks import BUFFERS, PARAMS, Failures, vanishing_grads  # noqa: E402
 from helpers import init_args, make_pair  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""``python -m epifuse.bench.distributed``: data-parallel training steps on several GPUs.
+"""``python -m benchmarks.distributed``: data-parallel training steps on several GPUs.
 
 Times one training step (forward + backward, as in the single-GPU "train-step" mode) of
 ModelNew with synchronized batch statistics (``epifuse.convert_sync_batchnorm``) against the
@@ -32,11 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import distributed as ef_dist, head
-from . import models, training
-from .configs import DTYPES, Shape, problem_shapes
-from .report import Table, fmt_ms, fmt_x
-from .timing import TimingSettings, measure, rotation_count
+from epifuse import distributed as ef_dist, head
+
+from .cases import DTYPES, Case, Shape, base_state, build, input_bytes, make_inputs, make_step
+from .cases import problem_shapes
+from .report import fmt_ms, fmt_x, table
+from .timing import Settings, measure, rotation_count
 
 DEFAULT_DTYPES = ("fp32-3xtf32", "fp32-tf32", "bf16")
 PROBLEMS = (84, 39)
@@ -74,13 +75,10 @@ class CpuSyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                             self.training, self.momentum or 0.0, self.eps)
 
 
-def _pair(shape: Shape, spec, device: torch.device, ddp: bool) -> tuple[nn.Module, nn.Module]:
+def _pair(case: Case, device: torch.device, ddp: bool) -> tuple[nn.Module, nn.Module]:
     """(reference under nn.SyncBatchNorm, synced ModelNew), the same state, optionally in DDP."""
-    state = models.base_state(shape, device)
-    ref = models.build(shape, state, new=False, dtype=spec.dtype, device=device,
-                       mode="train-step")
-    new = models.build(shape, state, new=True, dtype=spec.dtype, device=device,
-                       mode="train-step", precision=spec.precision)
+    state = base_state(case.shape, device)
+    ref, new = (build(case, state, device, new=new) for new in (False, True))
     ref = nn.SyncBatchNorm.convert_sync_batchnorm(ref)
     if device.type == "cpu":
         ref.bn.__class__ = CpuSyncBatchNorm
@@ -89,14 +87,6 @@ def _pair(shape: Shape, spec, device: torch.device, ddp: bool) -> tuple[nn.Modul
         ids = [device.index] if device.type == "cuda" else None
         ref, new = DDP(ref, device_ids=ids), DDP(new, device_ids=ids)
     return ref, new
-
-
-def _time_steps(step, pairs, device: torch.device, warmup: int, iters: int) -> float:
-    """Median ms of ``iters`` steps after ``warmup`` (timing.measure with its time cap lifted:
-    every step runs collectives, so every rank must run the same count)."""
-    settings = TimingSettings(warmup=warmup, iters=iters, max_seconds=float(1 << 40),
-                              min_iters=iters)
-    return measure(step, pairs, device, settings).median_ms
 
 
 def _slowest(values: list[float], device: torch.device) -> list[float]:
@@ -108,11 +98,11 @@ def _slowest(values: list[float], device: torch.device) -> list[float]:
 
 def _run_config(shape: Shape, dtype: str, ddp: bool, device: torch.device, rank: int,
                 warmup: int, iters: int) -> StepResult:
-    spec = DTYPES[dtype]
-    with spec.torch_settings():
-        ref, new = _pair(shape, spec, device, ddp)
-        count = rotation_count(training.step_bytes(shape, spec.dtype.itemsize), device, cap=4)
-        pairs = training.make_step_inputs(shape, spec.dtype, device, count, seed=100 + rank)
+    case = Case(shape, DTYPES[dtype], "train-step")
+    with case.spec.context():
+        ref, new = _pair(case, device, ddp)
+        count = rotation_count(input_bytes(case), device, cap=4)
+        pairs = make_inputs(case, device, count, seed=100 + rank)
         x0 = pairs[0][0].detach()
         reason = head.fast_path_reason(new.module if ddp else new, x0)  # None: fused
         # First step of each on the same input: outputs compared (the step updates the
@@ -124,8 +114,9 @@ def _run_config(shape: Shape, dtype: str, ddp: bool, device: torch.device, rank:
             y.backward(pairs[0][1])
             outs.append(y.detach().double())
         err = ((outs[1] - outs[0]).norm() / outs[0].norm().clamp_min(1e-300)).item()
-        times = [_time_steps(training.make_step(m, m), pairs, device, warmup, iters)
-                 for m in (new, ref)]
+        # Fixed counts: every step runs collectives, so every rank must run the same number.
+        times = [measure(make_step(m, m), pairs, device, Settings.fixed(warmup, iters)).median
+                 * 1e3 for m in (new, ref)]
     ours, reference, err = _slowest([*times, err], device)
     return StepResult(shape.problem, str(shape), dtype, ddp, ours, reference,
                       "fused" if reason is None else f"reference ({reason})", err)
@@ -157,7 +148,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
                     r = _run_config(shape, dtype, ddp, device, rank, args.warmup, args.iters)
                     results.append(r)
                     if rank == 0:
-                        print(f"[bench.distributed] p{problem} {shape} {dtype}"
+                        print(f"[benchmarks.distributed] p{problem} {shape} {dtype}"
                               f"{' ddp' if ddp else ''}: ours {r.ours_ms:.3f} ms, reference "
                               f"{r.reference_ms:.3f} ms ({r.speedup:.2f}x), {r.path}", flush=True)
                     if device.type == "cuda":
@@ -168,23 +159,24 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def table(results: list[StepResult], nproc: int, device_name: str) -> Table:
+def markdown_table(results: list[StepResult], nproc: int, device_name: str,
+                   markdown: bool = True) -> str:
     headers = ["problem (per rank)", "dtype", "DDP", "ours ms", "SyncBatchNorm ms", "speedup",
                "output err vs SyncBN", "path"]
     rows = [[f"{r.problem}: {r.shape}", r.dtype, "yes" if r.ddp else "no", fmt_ms(r.ours_ms),
              fmt_ms(r.reference_ms), fmt_x(r.speedup), f"{r.output_err:.1e}", r.path]
             for r in results]
-    return Table(f"Training step on {nproc} x {device_name}, synchronized batch statistics "
-                 f"(slowest rank's median)", headers, rows, left=3)
+    return (f"Training step on {nproc} x {device_name}, synchronized batch statistics (slowest "
+            f"rank's median)\n\n" + table(headers, rows, 3, markdown))
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m epifuse.bench.distributed",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.distributed",
                                 description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     p.add_argument("--nproc", type=int, default=2, help="processes = GPUs (default 2)")
     p.add_argument("--problems", type=int, nargs="+", choices=PROBLEMS, default=list(PROBLEMS))
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DEFAULT_DTYPES),
-                   help="dtype columns as in python -m epifuse.bench (default: "
+                   help="dtype columns as in python -m benchmarks (default: "
                         + " ".join(DEFAULT_DTYPES) + ")")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
@@ -202,7 +194,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
-        print(f"python -m epifuse.bench.distributed: needs {args.nproc} CUDA GPUs, found "
+        print(f"python -m benchmarks.distributed: needs {args.nproc} CUDA GPUs, found "
               f"{torch.cuda.device_count()} (--device cpu runs the dry run)", file=sys.stderr)
         return 2
     ctx = mp.get_context("spawn")
@@ -211,11 +203,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                        start_method="spawn")
     results = [StepResult(**r) for r in queue.get()]
     name = "CPU (dry run)" if args.device == "cpu" else torch.cuda.get_device_name(0)
-    t = table(results, args.nproc, name)
-    print(t.text())
+    print(markdown_table(results, args.nproc, name, markdown=False))
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(f"{t.title}\n\n{t.markdown()}\n")
+            f.write(markdown_table(results, args.nproc, name) + "\n")
     return 0
 
 

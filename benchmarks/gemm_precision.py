@@ -1,6 +1,6 @@
 """The GEMM alone at each fp32 precision: speed and error against float64.
 
-    python -m epifuse.bench.gemm_precision [--problems 84 39] [--promotion 2 4 8 16] [--json F]
+    python -m benchmarks.gemm_precision [--problems 84 39] [--promotion 2 4 8 16] [--json F]
 
 Rows, each on problem 84's and problem 39's GEMM (z = x . W^T, x ~ U[0, 1), W as nn.Linear
 initializes it, and the same with x + 100, where a column's mean dwarfs its spread):
@@ -13,8 +13,9 @@ initializes it, and the same with x + 100, where a column's mean dwarfs its spre
   epifuse 3xTF32 sm80   the same op with EPIFUSE_FORCE_SM80=1 (CUTLASS's mma.sync FastF32)
 
 Error = ||C - C64|| / ||C64|| (Frobenius), C64 from float64 operands on the GPU. TFLOP/s count
-2*M*N*K per call, the median of CUDA-event timings over rotating inputs. Settings that the library
-reads once per process (EPIFUSE_FORCE_SM80, EPIFUSE_3XTF32_PROMOTION) run in a child process each.
+2*M*N*K per call, the median of CUDA-event timings (benchmarks.timing, L2 flushed before each call
+as triton.testing.do_bench does). Settings that the library reads once per process
+(EPIFUSE_FORCE_SM80, EPIFUSE_3XTF32_PROMOTION) run in a child process each.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from typing import Optional
 
 import torch
 
+from .timing import Settings, l2_flush, measure as time_call
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds benchmarks/
 SHAPES = {84: (1024, 8192, 8192), 39: (16384, 4096, 4096)}  # M, K, N
 OFFSET = 100.0
 
@@ -42,23 +46,6 @@ def _operands(m: int, k: int, n: int, seed: int, device) -> tuple[torch.Tensor, 
 
 def _rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
     return float((c.double() - ref).norm() / ref.norm())
-
-
-def _time_ms(fn, xs: list[torch.Tensor], reps: int) -> float:
-    for x in xs:  # warm-up: module load, workspace, weight-split cache
-        fn(x)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        x = xs[i % len(xs)]
-        start.record()
-        fn(x)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def measure(impl: str, problem: int, reps: int) -> dict:
@@ -88,18 +75,17 @@ def measure(impl: str, problem: int, reps: int) -> dict:
         errors[label] = _rel_err(product(xx), ref)
         del ref
     row["rel_err"] = errors
-    xs = [x] + [torch.rand_like(x) for _ in range(2)]
-    ms = _time_ms(product, xs, reps)
-    row["ms"] = ms
+    ms = time_call(product, [x], device, Settings.fixed(3, reps), flush=l2_flush(device)).median
+    row["ms"] = ms = ms * 1e3
     row["tflops"] = 2.0 * m * n * k / (ms * 1e-3) / 1e12
     torch.backends.cuda.matmul.allow_tf32 = False
     return row
 
 
 def _child(impl: str, problem: int, reps: int, env: dict) -> Optional[dict]:
-    cmd = [sys.executable, "-m", "epifuse.bench.gemm_precision", "--child", impl,
+    cmd = [sys.executable, "-m", "benchmarks.gemm_precision", "--child", impl,
            "--problems", str(problem), "--reps", str(reps)]
-    out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+    out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         print(out.stderr[-2000:], file=sys.stderr)
         return None
@@ -159,7 +145,8 @@ def markdown(table: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gemm_precision",
+                                 description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problems", "--problem", type=int, nargs="+", default=[84, 39],
                     choices=sorted(SHAPES))
@@ -172,7 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("epifuse.bench.gemm_precision: needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks.gemm_precision: needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.error_sweep:
         for r in error_sweep(args.error_sweep, 1024, 1024):

@@ -1,0 +1,517 @@
+"""What the benchmark runs, and running one configuration.
+
+A configuration (``Case``) is a shape, a dtype column and a mode. Its implementations:
+  ours     ModelNew(precision=spec.precision)      (epifuse)
+  eager    Model                                     (PyTorch eager, same dtype / matmul policy)
+  compile  torch.compile(Model), default mode        (compile errors are reported, not raised)
+On the KernelBench shapes' forwards also ``gemm`` (our GEMM op alone: gemm_colstats in train,
+gemm_affine in eval) and ``torch_mm`` (torch.mm(x, W.T), cuBLAS on CUDA). All are built from one
+seeded state_dict with running statistics primed from one batch, so parameters match exactly.
+"train"/"eval" time forwards under torch.no_grad(); "train-step" times a training-mode forward
+plus its backward: x requires grad, gradients are set to None before each step, and the upstream
+gradient is a fixed random g per input, applied as y.backward(g) (the gradients of
+(y * g).sum() without timing that stand-in loss). Errors are measured against a float64 twin
+(same rounded parameters) on fresh copies: of the output, or of a step's dX and dW.
+
+Results are plain dicts, the rows of bench.json. A new per-implementation column (peak memory)
+goes into ``run_case``'s row and ``report.MODEL_COLUMNS``; a new column of the dtype axis
+(autocast) is one more ``DTYPES`` entry whose ``context`` enters it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from epifuse import cli, ops, problems
+from epifuse.__main__ import init_inputs
+from epifuse.head import fast_path_reason
+from epifuse.precision import resolve_precision
+
+from .timing import (Settings, l2_flush, measure, measure_host_checked, measure_rounds,
+                     rotation_count, to_dict)
+
+SEED = 0
+IMPLS = ("ours", "eager", "compile")
+
+
+@dataclass(frozen=True)
+class DTypeSpec:
+    """One dtype column: tensor dtype, ModelNew's ``precision``, and torch's fp32 matmul
+    precision for the PyTorch baselines (eager and compile)."""
+
+    name: str
+    dtype: torch.dtype
+    precision: Optional[str]
+    torch_precision: str
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """torch's fp32 matmul policy of this column, restored afterwards."""
+        old = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+        torch.set_float32_matmul_precision(self.torch_precision)
+        torch.backends.cuda.matmul.allow_tf32 = self.torch_precision != "highest"
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(old[0])
+            torch.backends.cuda.matmul.allow_tf32 = old[1]
+
+
+DTYPES = {
+    "fp32-ieee": DTypeSpec("fp32-ieee", torch.float32, "ieee", "highest"),
+    # PyTorch's default precision: ModelNew(precision=None) under 'highest' runs exactly this.
+    "fp32-3xtf32": DTypeSpec("fp32-3xtf32", torch.float32, "3xtf32", "highest"),
+    "fp32-tf32": DTypeSpec("fp32-tf32", torch.float32, "tf32", "high"),
+    "bf16": DTypeSpec("bf16", torch.bfloat16, None, "highest"),
+    "fp16": DTypeSpec("fp16", torch.float16, None, "highest"),
+}
+KB_REFERENCE = "fp32-ieee"  # the KernelBench reference: eager PyTorch, fp32, no TF32
+MODES = ("train", "eval", "train-step")
+TRAIN_STEP = "train-step"
+PROBLEM_NAMES = cli.problem_names()  # 84: gemm_bn_scale_softmax, 39: gemm_scale_bn
+
+
+@dataclass(frozen=True)
+class Shape:
+    problem: int
+    m: int
+    k: int
+    n: int
+    tag: str  # "kernelbench" | "kb-small" | "sweep"
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n
+
+    def __str__(self) -> str:
+        return f"{self.m}x{self.k}->{self.n}"
+
+
+# (M, K, N) at full size, and the tiny stand-ins of a --device cpu dry run.
+_SHAPES = {(84, "kernelbench"): ((1024, 8192, 8192), (32, 256, 256)),
+           (84, "kb-small"): ((128, 1024, 512), (16, 64, 32)),
+           (39, "kernelbench"): ((16384, 4096, 4096), (64, 128, 128))}
+SWEEP_PROBLEM, SWEEP_KN, DRY_SWEEP_KN = 84, 8192, 256
+SWEEP_M, DRY_SWEEP_M = (1, 16, 128, 512, 1024, 4096, 16384), (1, 16, 64)
+HOST_TIME_SHAPE = (84, "kb-small")  # short forwards, where the host matters
+SOFTMAX_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SOFTMAX_NS, DRY_SOFTMAX_NS = tuple(2 ** i for i in range(6, 17)), (64, 256, 1024, 4096)
+SOFTMAX_BYTES, DRY_SOFTMAX_BYTES = 64 << 20, 1 << 20  # each input of the row-length sweep
+HEAD_SOFTMAX_SHAPE, DRY_HEAD_SOFTMAX_SHAPE = (1024, 8192), (32, 256)  # problem 84's own softmax
+COPY_BYTES, DRY_COPY_BYTES = 1 << 30, 8 << 20
+
+
+def problem_shapes(problem: int, dry: bool) -> list[Shape]:
+    return [Shape(p, *(tiny if dry else full), tag)
+            for (p, tag), (full, tiny) in _SHAPES.items() if p == problem]
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: Shape
+    spec: DTypeSpec
+    mode: str
+    compile: bool = False  # also time torch.compile(Model)
+    gemm_alone: bool = False  # also time our GEMM op alone and torch.mm
+    skip: Optional[str] = None  # why the case is not run at all
+    compile_note: Optional[str] = None  # why torch.compile is not timed
+
+    @property
+    def label(self) -> str:
+        return f"p{self.shape.problem} {self.shape} {self.spec.name} {self.mode}"
+
+    @property
+    def training(self) -> bool:
+        return self.mode in ("train", TRAIN_STEP)
+
+
+@dataclass
+class Plan:
+    cases: list[Case] = field(default_factory=list)
+    host_points: list[Case] = field(default_factory=list)  # forwards of ours and eager
+    softmax_points: list[tuple[str, int, int]] = field(default_factory=list)  # dtype, n, m
+    copy_bytes: int = 0
+
+
+def build_plan(problems_: list[int], dtypes: list[str], modes: list[str], *, compile: bool,
+               sweep: bool, sweep_ms: tuple[int, ...], sweep_compile: bool, softmax: bool,
+               dry: bool, host_time: bool = True) -> Plan:
+    """What to run, in order: fp32-ieee first for each shape and mode, so that the KernelBench
+    reference is measured before the columns compared with it. The default GPU plan is 3 shapes
+    x 3 modes x 5 columns = 45 cases (3 timings each, and the GEMM alone and torch.mm on the 2
+    KernelBench shapes' forwards); torch.compile's 45 compilations dominate its time."""
+    plan = Plan()
+    ordered = sorted(dtypes, key=lambda d: d != KB_REFERENCE)
+    shapes = [s for p in problems_ for s in problem_shapes(p, dry)]
+    if sweep:  # a sweep point equal to a shape above is that shape, run once
+        kn = DRY_SWEEP_KN if dry else SWEEP_KN
+        seen = {(s.problem, s.m, s.k, s.n) for s in shapes}
+        shapes += [Shape(SWEEP_PROBLEM, m, kn, kn, "sweep") for m in sweep_ms
+                   if (SWEEP_PROBLEM, m, kn, kn) not in seen]
+    for shape in shapes:
+        for mode in modes:
+            if mode == TRAIN_STEP and shape.tag == "sweep":
+                continue  # the M sweep is of forwards
+            timed = compile and (sweep_compile or shape.tag != "sweep")
+            note = (None if timed else "not run (--no-compile)" if not compile
+                    else "not run (sweep point; add --sweep-compile)")
+            for d in ordered:
+                case = Case(shape, DTYPES[d], mode, compile=timed, compile_note=note,
+                            gemm_alone=shape.tag == "kernelbench" and mode != TRAIN_STEP)
+                if case.training and shape.m < 2:
+                    case = Case(shape, DTYPES[d], mode, compile=timed, compile_note=note,
+                                skip="BatchNorm training needs a batch of at least 2 rows")
+                plan.cases.append(case)
+    if host_time and HOST_TIME_SHAPE[0] in problems_:
+        shape = next(s for s in problem_shapes(HOST_TIME_SHAPE[0], dry)
+                     if s.tag == HOST_TIME_SHAPE[1])
+        plan.host_points = [Case(shape, DTYPES[d], m) for m in modes if m != TRAIN_STEP
+                            for d in sorted(dtypes, key=list(DTYPES).index)]
+    if softmax:
+        total = DRY_SOFTMAX_BYTES if dry else SOFTMAX_BYTES
+        head_m, head_n = DRY_HEAD_SOFTMAX_SHAPE if dry else HEAD_SOFTMAX_SHAPE
+        for dt, torch_dtype in SOFTMAX_DTYPES.items():
+            points = {(dt, n, max(1, total // (n * torch_dtype.itemsize)))
+                      for n in (DRY_SOFTMAX_NS if dry else SOFTMAX_NS)} | {(dt, head_n, head_m)}
+            plan.softmax_points += sorted(points, key=lambda p: (p[1], p[2]))
+        plan.copy_bytes = DRY_COPY_BYTES if dry else COPY_BYTES
+    return plan
+
+
+# --------------------------------------------------------------------------- models and inputs
+
+def _init_args(shape: Shape) -> list:
+    """The problem's get_init_inputs() with in/out features set to K, N (as python -m epifuse
+    resizes them)."""
+    return init_inputs(problems.BY_NUMBER[shape.problem], (shape.m, shape.k, shape.n))[1]
+
+
+@torch.no_grad()
+def base_state(shape: Shape, device: torch.device) -> dict[str, torch.Tensor]:
+    """KernelBench's seeded fp32 Model state (torch.manual_seed(SEED) on CPU), with the running
+    statistics set to the BatchNorm input's statistics over one random batch (a fresh BatchNorm's
+    mean 0 / var 1 would make eval mode unrepresentative)."""
+    torch.manual_seed(SEED)
+    model = problems.BY_NUMBER[shape.problem].Model(*_init_args(shape)).to(device).eval()
+    x = torch.rand(256, shape.k, generator=torch.Generator(device).manual_seed(SEED + 1),
+                   device=device)
+    captured = []
+    hook = model.bn.register_forward_pre_hook(lambda mod, inp: captured.append(inp[0]))
+    with DTYPES[KB_REFERENCE].context():
+        model(x)
+    hook.remove()
+    u = captured[0].double()
+    model.bn.running_mean.copy_(u.mean(0))
+    model.bn.running_var.copy_(u.var(0, unbiased=True))
+    model.bn.num_batches_tracked.fill_(1)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def build(case: Case, state: dict, device: torch.device, *, new: bool,
+          dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """Model, or ModelNew(precision=...), holding ``state`` in the case's dtype (or ``dtype``);
+    built on the meta device, so no throw-away initialization of a large weight happens."""
+    module = problems.BY_NUMBER[case.shape.problem]
+    with torch.device("meta"):
+        model = (module.ModelNew(*_init_args(case.shape), precision=case.spec.precision) if new
+                 else module.Model(*_init_args(case.shape)))
+    model = model.to_empty(device=device)
+    model.load_state_dict(state)
+    return model.to(dtype or case.spec.dtype).train(case.training)
+
+
+def make_inputs(case: Case, device: torch.device, count: int, seed: int) -> list:
+    """``count`` KernelBench-style inputs (torch.rand); for a step, (x requiring grad, g ~ N(0,
+    1) of the output's shape) pairs."""
+    s, dtype = case.shape, case.spec.dtype
+    gen = torch.Generator(device).manual_seed(seed)
+    xs = [torch.rand(s.m, s.k, generator=gen, device=device).to(dtype) for _ in range(count)]
+    if case.mode != TRAIN_STEP:
+        return xs
+    gen = torch.Generator(device).manual_seed(seed + 1)
+    return [(x.requires_grad_(), torch.randn(s.m, s.n, generator=gen, device=device).to(dtype))
+            for x in xs]
+
+
+def input_bytes(case: Case) -> int:
+    """One input's bytes (with a step's upstream gradient), for the L2 rotation count."""
+    s = case.shape
+    return (s.m * s.k + (s.m * s.n if case.mode == TRAIN_STEP else 0)) * case.spec.dtype.itemsize
+
+
+def make_step(model: torch.nn.Module, forward: Callable) -> Callable:
+    """One training step of ``forward`` (``model`` or its torch.compile wrapper)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(pair) -> None:
+        x, g = pair
+        x.grad = None  # zero_grad(set_to_none=True) without walking the module tree
+        for p in params:
+            p.grad = None
+        forward(x).backward(g)
+
+    return step
+
+
+@torch.no_grad()
+def error_stats(out: torch.Tensor, ref64: torch.Tensor) -> dict:
+    """||out - ref|| / ||ref|| (Frobenius), max |out - ref|, and whether out is finite."""
+    if out.shape != ref64.shape:
+        raise ValueError(f"output shape {tuple(out.shape)} != reference {tuple(ref64.shape)}")
+    diff = out.detach().to(torch.float64) - ref64
+    if not bool(torch.isfinite(diff).all()):
+        return {"rel_fro": float("inf"), "max_abs": float("inf"), "finite": False}
+    rel = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(ref64).clamp_min(1e-300))
+    return {"rel_fro": rel.item(), "max_abs": diff.abs().max().item() if diff.numel() else 0.0,
+            "finite": True}
+
+
+def errors(model: torch.nn.Module, x, ref64) -> dict[str, dict]:
+    """Errors of a forward's output (key ""), or of a step's dX and dW (keys "dx", "dw")."""
+    if not isinstance(x, tuple):
+        with torch.no_grad():
+            return {"": error_stats(model(x), ref64)}
+    x, g = x
+    x = x.detach().clone().requires_grad_()
+    model(x).backward(g)
+    got = {"dx": x.grad, "dw": model.gemm.weight.grad}
+    missing = [k for k, v in got.items() if v is None]
+    if missing:
+        raise RuntimeError(f"no gradient for {', '.join(missing)} after backward")
+    return {k: error_stats(v, ref64[k]) for k, v in got.items()}
+
+
+def reference64(case: Case, state: dict, device: torch.device, x):
+    """The float64 twin's output, or a step's {"dx", "dw"}: the parameters as rounded to the
+    case's dtype, then widened."""
+    ref = build(case, state, device, new=False).to(torch.float64)
+    if not isinstance(x, tuple):
+        with torch.no_grad():
+            return ref(x.to(torch.float64))
+    x64 = x[0].detach().to(torch.float64).requires_grad_()
+    ref(x64).backward(x[1].to(torch.float64))
+    return {"dx": x64.grad, "dw": ref.gemm.weight.grad}
+
+
+# --------------------------------------------------------------------------- one configuration
+
+def describe(exc: BaseException) -> str:
+    """One line for the table: the exception type and the first line of its message."""
+    msg = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {msg[0] if msg else ''}".strip().rstrip(":")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def new_row(case: Case) -> dict:
+    s = case.shape
+    return {"problem": s.problem, "tag": s.tag, "M": s.m, "K": s.k, "N": s.n,
+            "dtype": case.spec.name, "mode": case.mode, "skipped": case.skip,
+            "compile_timed": case.compile, "compile_note": case.compile_note,
+            "gemm_alone": case.gemm_alone,
+            "flops": s.flops * (3 if case.mode == TRAIN_STEP else 1),  # a step: fwd, dX, dW
+            "path": None, "timings_ms": {}, "failures": {}, "errors_vs_fp64": {},
+            "kb_reference_ms": None, "gemm_op": None, "wall_s": 0.0}
+
+
+class Runner:
+    """Runs cases on one device, keeping the eager fp32-ieee times (the KernelBench reference)."""
+
+    def __init__(self, device: torch.device, settings: Settings, log: Callable[[str], None],
+                 verbose: bool = False) -> None:
+        self.device, self.settings, self.log, self.verbose = device, settings, log, verbose
+        self.kb: dict[tuple, Optional[float]] = {}
+
+    def failed(self, row: dict, key: str, e: BaseException, what: str = "") -> None:
+        row["failures"][key] = what + describe(e)
+        self.log(f"  {row['_label']}: {key} failed: {what}{describe(e)}")
+        if self.verbose:
+            self.log("".join(traceback.format_exception(e)))
+
+    def _callables(self, case: Case, state: dict, impls) -> dict:
+        """What one timed call of each implementation runs (or why it cannot): a forward of the
+        model or of its torch.compile wrapper, or a training step of it."""
+        fns = {}
+        for impl in impls:
+            try:
+                model = fn = build(case, state, self.device, new=impl == "ours")
+                if impl == "compile":
+                    torch._dynamo.reset()  # a fresh cache: no recompile limit, no stale policy
+                    fn = torch.compile(model)
+                fns[impl] = make_step(model, fn) if case.mode == TRAIN_STEP else fn
+            except Exception as e:  # noqa: BLE001 -- any failure becomes a table entry
+                fns[impl] = e
+        return fns
+
+    def _measure(self, case: Case, inputs: list, row: dict, fns: dict) -> None:
+        """``fns`` in interleaved rounds, under the case's matmul policy (and no_grad for a
+        forward); each implementation's time or failure goes into ``row``."""
+        for impl, fn in list(fns.items()):
+            if isinstance(fn, Exception):
+                self.failed(row, impl, fns.pop(impl))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(case.spec.context())
+            if case.mode != TRAIN_STEP:
+                stack.enter_context(torch.no_grad())
+            timings = measure_rounds(fns, inputs, self.device, self.settings)
+        for impl, t in timings.items():
+            if isinstance(t, Exception):
+                self.failed(row, impl, t)
+            else:
+                row["timings_ms"][impl] = to_dict(t)
+        fns.clear()
+        free_memory(self.device)
+
+    def run_case(self, case: Case, state: dict) -> dict:
+        row, device = new_row(case), self.device
+        if case.skip:
+            return row
+        row["_label"], t0 = case.label, time.perf_counter()
+        self._errors(case, state, row)
+        try:
+            inputs = make_inputs(case, device, rotation_count(input_bytes(case), device),
+                                 seed=SEED + 1000)
+            x0 = inputs[0][0] if case.mode == TRAIN_STEP else inputs[0]
+            reason = fast_path_reason(build(case, state, device, new=True), x0)
+            row["path"] = "fused" if reason is None else reason
+        except Exception as e:  # noqa: BLE001 -- e.g. out of memory for the inputs
+            row["failures"].update({impl: describe(e) for impl in IMPLS})
+            self.log(f"  {case.label}: set-up failed: {describe(e)}")
+            inputs = []
+        if inputs:
+            if not case.compile:
+                row["failures"]["compile"] = case.compile_note or "not run"
+            self._measure(case, inputs, row,
+                          self._callables(case, state, IMPLS if case.compile else IMPLS[:2]))
+            if case.compile:
+                torch._dynamo.reset()
+            if case.gemm_alone:  # our GEMM op alone, and torch.mm, on the same inputs
+                w = state["gemm.weight"].to(case.spec.dtype).contiguous()
+                gen = torch.Generator(device).manual_seed(SEED + 300)
+                a = torch.rand(case.shape.n, generator=gen, device=device) + 0.5
+                c = torch.randn(case.shape.n, generator=gen, device=device) * 0.1
+                prec = resolve_precision(case.spec.precision, case.spec.dtype)
+                train = case.mode == "train"
+                row["gemm_op"] = "gemm_colstats" if train else "gemm_affine"
+                self._measure(case, inputs, row, {
+                    "gemm": (lambda x: ops.gemm_colstats(x, w, prec)) if train
+                    else (lambda x: ops.gemm_affine(x, w, a, c, prec)),
+                    "torch_mm": lambda x: torch.mm(x, w.t())})
+            inputs.clear()
+            free_memory(device)
+            key = (case.shape, case.mode)
+            if case.spec.name == KB_REFERENCE:
+                self.kb[key] = (row["timings_ms"].get("eager") or {}).get("median_ms")
+            elif key not in self.kb:  # eager fp32-ieee, when that column is not in the plan
+                ref_case = Case(case.shape, DTYPES[KB_REFERENCE], case.mode)
+                ref = dict(new_row(ref_case), _label=f"{case.label}: KernelBench reference "
+                                                     "(eager fp32-ieee)")
+                try:
+                    xs = make_inputs(ref_case, device, rotation_count(input_bytes(ref_case),
+                                                                      device), seed=SEED + 200)
+                    self._measure(ref_case, xs, ref, self._callables(ref_case, state, ["eager"]))
+                except Exception as e:  # noqa: BLE001
+                    self.failed(ref, "eager", e)
+                self.kb[key] = (ref["timings_ms"].get("eager") or {}).get("median_ms")
+                free_memory(device)
+            row["kb_reference_ms"] = self.kb[key]
+        row.pop("_label")
+        row["wall_s"] = round(time.perf_counter() - t0, 2)
+        return row
+
+    def _errors(self, case: Case, state: dict, row: dict) -> None:
+        """Errors of ours and eager against a float64 twin, on fresh copies of the same state:
+        of the output (key "<impl>") or of a step's dX and dW ("<impl>:dx", "<impl>:dw")."""
+        try:
+            x = make_inputs(case, self.device, 1, seed=SEED + 100)[0]
+            with case.spec.context():
+                ref = reference64(case, state, self.device, x)
+                for impl in ("ours", "eager"):
+                    try:
+                        got = errors(build(case, state, self.device, new=impl == "ours"), x, ref)
+                        row["errors_vs_fp64"].update(
+                            {f"{impl}:{k}" if k else impl: v for k, v in got.items()})
+                    except Exception as e:  # noqa: BLE001
+                        self.failed(row, f"accuracy:{impl}", e)
+        except Exception as e:  # noqa: BLE001
+            for impl in ("ours", "eager"):
+                self.failed(row, f"accuracy:{impl}", e, "fp64 reference failed: ")
+        x = ref = None
+        free_memory(self.device)
+
+    def host_point(self, case: Case, state: dict) -> dict:
+        """Host time of one forward (under torch.no_grad()) of ours and eager."""
+        s = case.shape
+        row = {"problem": s.problem, "tag": s.tag, "M": s.m, "K": s.k, "N": s.n,
+               "dtype": case.spec.name, "mode": case.mode, "timings_us": {}, "failures": {},
+               "_label": f"host time {case.label}"}
+        x = make_inputs(case, self.device, 1, seed=SEED + 400)[0]
+        for impl in ("ours", "eager"):
+            try:
+                model = build(case, state, self.device, new=impl == "ours")
+                with case.spec.context(), torch.no_grad():
+                    row["timings_us"][impl] = measure_host_checked(lambda: model(x), self.device)
+                del model
+            except Exception as e:  # noqa: BLE001
+                self.failed(row, impl, e)
+        del row["_label"]
+        return row
+
+    @torch.no_grad()
+    def copy_bandwidth(self, nbytes: int) -> dict:
+        """Device-to-device ``dst.copy_(src)`` of an ``nbytes`` float32 tensor."""
+        row = {"bytes_read_plus_written": 2 * (nbytes // 4) * 4, "gbps": None, "timing_ms": None,
+               "failure": None}
+        try:
+            src = torch.empty(nbytes // 4, device=self.device).uniform_()
+            dst = torch.empty_like(src)
+            t = measure(dst.copy_, [src], self.device, self.settings)
+            row["timing_ms"] = to_dict(t)
+            row["gbps"] = row["bytes_read_plus_written"] / t.median / 1e9
+            del src, dst
+        except Exception as e:  # noqa: BLE001
+            row["failure"] = describe(e)
+        free_memory(self.device)
+        return row
+
+    @torch.no_grad()
+    def softmax_point(self, dtype: str, n: int, m: int) -> dict:
+        """Our row softmax (the op itself: a device without our kernels shows as a failure) and
+        torch.softmax on an [m, n] input, L2 flushed before each call; errors vs float64."""
+        nbytes = 2 * m * n * SOFTMAX_DTYPES[dtype].itemsize  # read + write
+        row = {"dtype": dtype, "M": m, "N": n, "bytes_read_plus_written": nbytes,
+               "timings_ms": {}, "failures": {}, "errors_vs_fp64": {},
+               "_label": f"softmax {dtype} N={n}"}
+        try:
+            gen = torch.Generator(self.device).manual_seed(7)
+            x = (torch.randn(m, n, generator=gen, device=self.device) * 4).to(
+                SOFTMAX_DTYPES[dtype])
+            ref64 = torch.softmax(x.to(torch.float64), dim=-1)
+            flush = l2_flush(self.device)
+        except Exception as e:  # noqa: BLE001
+            row["failures"] = {"ours": describe(e), "torch": describe(e)}
+            del row["_label"]
+            return row
+        for impl, fn in (("ours", lambda t: ops.affine_softmax(t, None, None)),
+                         ("torch", lambda t: torch.softmax(t, dim=-1))):
+            try:
+                row["errors_vs_fp64"][impl] = error_stats(fn(x), ref64)
+                row["timings_ms"][impl] = to_dict(measure(fn, [x], self.device, self.settings,
+                                                          flush=flush))
+            except Exception as e:  # noqa: BLE001
+                self.failed(row, impl, e)
+        del row["_label"], x, ref64, flush
+        free_memory(self.device)
+        return row

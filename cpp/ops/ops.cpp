@@ -147,12 +147,32 @@ struct PreparedGemm {
   at::Tensor x, w, out;  // keep the (possibly copied) operands alive
 };
 
-// x [M, K] . w [N, K]^T -> out [M, N] (dtype of x) in `precision`. The 3xTF32 Hopper plan reads
-// strided operands as they are (its split copies them anyway); for every other plan the operands
-// get rows with unit column stride (copied only when the caller passed another view), unless
-// keep_views (the caller runs cuBLAS, which takes any layout).
+void bind_operands(PreparedGemm& g) {
+  GemmProblem& p = g.problem;
+  p.x = g.x.data_ptr();
+  p.ldx = g.x.stride(0);
+  p.x_col_stride = g.x.stride(1);
+  p.w = g.w.data_ptr();
+  p.ldw = g.w.stride(0);
+  p.w_col_stride = g.w.stride(1);
+}
+
+GemmPlan plan_gemm(const PreparedGemm& g, const EpilogueOperands& ops) {
+  return gemm_plan(g.problem, g.epilogue, ops, g.device, g.cc_major, g.cc_minor);
+}
+
+// The operand copies a plan reads (GemmPlan::copies): row-major, in a fresh allocation.
+void copy_operands(PreparedGemm& g, const GemmPlan& plan) {
+  if (!plan.copies.x && !plan.copies.w) return;
+  if (plan.copies.x) g.x = g.x.clone(at::MemoryFormat::Contiguous);
+  if (plan.copies.w) g.w = g.w.clone(at::MemoryFormat::Contiguous);
+  bind_operands(g);
+}
+
+// x [M, K] . w [N, K]^T -> out [M, N] (dtype of x) in `precision`, the operands bound as the
+// caller passed them (views included); the plan says which to copy (run_gemm).
 PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const std::string& precision,
-                          Epilogue epilogue, const char* op, bool keep_views = false) {
+                          Epilogue epilogue, const char* op) {
   EPIFUSE_CHECK(x_in.dim() == 2, "epifuse::", op, ": expected x to be 2-D [M, K], got ",
               x_in.dim(), "-D");
   EPIFUSE_CHECK(w_in.dim() == 2, "epifuse::", op, ": expected weight to be 2-D [N, K], got ",
@@ -179,22 +199,9 @@ PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const 
   p.ldo = std::max<int64_t>(N, 1);
   p.dtype = dtype;
   p.math = math_mode(precision, dtype, op);
-  auto bind = [&] {
-    p.x = g.x.data_ptr();
-    p.ldx = g.x.stride(0);
-    p.x_col_stride = g.x.stride(1);
-    p.w = g.w.data_ptr();
-    p.ldw = g.w.stride(0);
-    p.w_col_stride = g.w.stride(1);
-  };
   g.x = x_in;
   g.w = w_in;
-  bind();
-  if (!keep_views && !gemm_splits_operands(p, epilogue, g.cc_major, g.cc_minor)) {
-    g.x = rows_with_unit_stride(x_in);
-    g.w = rows_with_unit_stride(w_in);
-    bind();
-  }
+  bind_operands(g);
   return g;
 }
 
@@ -228,25 +235,27 @@ void cublas_product(const PreparedGemm& g) {
 // or chosen), it runs here with TF32 off whatever the global flag says (a forced 'ieee' under
 // set_float32_matmul_precision('high') used to take a CUTLASS SIMT GEMM, 1.2x slower than SGEMM),
 // then the epilogue as one more pass.
-void run_gemm(PreparedGemm& g, const EpilogueOperands& ops) {
+void run_gemm(PreparedGemm& g, const GemmPlan& plan, const EpilogueOperands& ops) {
   const Epilogue e = g.epilogue;
-  if (gemm_uses_host_sgemm(g.problem, e, g.cc_major, g.cc_minor)) {
+  copy_operands(g, plan);
+  if (plan.host_sgemm) {
     g.problem.math = MathMode::kIEEE;
     cublas_product(g);
     epilogue_pass(g.problem, e, ops, current_stream());
     return;
   }
   at::Tensor w_split;  // kept alive until the GEMM is enqueued
-  if (gemm_splits_operands(g.problem, e, g.cc_major, g.cc_minor)) {
+  if (plan.splits_operands) {
     w_split = cached_weight_split(g.w, g.problem, current_stream());
     g.problem.w_split = w_split.defined() ? w_split.data_ptr<float>() : nullptr;
   }
-  const size_t bytes = gemm_workspace_bytes(g.problem, e, g.cc_major, g.cc_minor);
+  const size_t bytes = gemm_workspace_bytes(plan, g.problem);
   at::Tensor workspace;
   if (bytes > 0) workspace = at::empty({int64_t(bytes)}, g.x.options().dtype(at::kByte));
-  gemm_run(g.problem, e, ops, bytes > 0 ? workspace.data_ptr() : nullptr, g.device, g.cc_major,
-           g.cc_minor, current_stream());
+  gemm_run(plan, g.problem, ops, bytes > 0 ? workspace.data_ptr() : nullptr, current_stream());
 }
+
+void run_gemm(PreparedGemm& g, const EpilogueOperands& ops) { run_gemm(g, plan_gemm(g, ops), ops); }
 
 at::Tensor gemm_affine_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& a,
                             const at::Tensor& c, c10::string_view precision) {
@@ -683,10 +692,11 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   // K-major copies of MN-major operands (cublas_tf32_k_major_copies says when and what it measured).
   // Our own TF32 kernel needs K-major operands too: with such copies (then Tensor::contiguous),
   // problem 84's TF32 training step took 2.31 ms against 1.60 ms with cuBLAS's (H100).
-  PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op,
-                                /*keep_views=*/true);
-  if (gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
-    run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
+  PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op);
+  const EpilogueOperands plain;  // a = c = null: the plain product
+  const GemmPlan plan = plan_gemm(g, plain);
+  if (plan.splits_operands) {
+    run_gemm(g, plan, plain);
     return g.out;
   }
   const KMajorCopies copies = cublas_tf32_k_major_copies(g.problem, g.cc_major, g.cc_minor);

@@ -13,11 +13,14 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <iterator>
 #include <optional>
 #include <tuple>
 #include <utility>
 #include <string>
+#include <vector>
 
 #include "epifuse/kernels.h"
 #include "weight_split_cache.h"
@@ -121,17 +124,38 @@ at::Tensor column_vector(const at::Tensor& v, int64_t n, const char* op, const c
   return v.contiguous();
 }
 
+// The fp32 GEMM precisions the ops take, the one place that names them: python/epifuse/precision.py
+// reads them through epifuse::precision_names (in this order) and documents them.
+constexpr std::pair<const char*, MathMode> kPrecisions[] = {
+    {"ieee", MathMode::kIEEE}, {"3xtf32", MathMode::k3xTF32}, {"tf32", MathMode::kTF32}};
+
+std::vector<std::string> precision_names() {
+  std::vector<std::string> names;
+  for (const auto& entry : kPrecisions) names.emplace_back(entry.first);
+  return names;
+}
+
+// "'ieee', '3xtf32' or 'tf32'", or with `last` as the last choice.
+std::string quoted_precisions(const char* last = nullptr) {
+  std::string out;
+  const size_t n = std::size(kPrecisions);
+  for (size_t i = 0; i < n; ++i) {
+    out += i == 0 ? "" : (i + 1 == n && last == nullptr ? " or " : ", ");
+    out = out + "'" + kPrecisions[i].first + "'";
+  }
+  return last != nullptr ? out + " or " + last : out;
+}
+
 MathMode math_mode(const std::string& precision, DType dtype, const char* op) {
-  EPIFUSE_CHECK_VALUE(precision == "ieee" || precision == "3xtf32" || precision == "tf32" ||
-                          precision.empty(),
-                      "epifuse::", op,
-                      ": precision must be 'ieee', '3xtf32', 'tf32' or '' (16-bit inputs), got '",
+  const auto* known = std::find_if(std::begin(kPrecisions), std::end(kPrecisions),
+                                   [&](const auto& entry) { return precision == entry.first; });
+  EPIFUSE_CHECK_VALUE(known != std::end(kPrecisions) || precision.empty(), "epifuse::", op,
+                      ": precision must be ", quoted_precisions("'' (16-bit inputs)"), ", got '",
                       precision, "'");
   if (dtype != DType::kFloat32) return MathMode::kNative;
-  EPIFUSE_CHECK_VALUE(!precision.empty(), "epifuse::", op,
-                      ": float32 inputs need precision 'ieee', '3xtf32' or 'tf32'");
-  if (precision == "tf32") return MathMode::kTF32;
-  return precision == "3xtf32" ? MathMode::k3xTF32 : MathMode::kIEEE;
+  EPIFUSE_CHECK_VALUE(!precision.empty(), "epifuse::", op, ": float32 inputs need precision ",
+                      quoted_precisions());
+  return known->second;
 }
 
 // Row-major with unit column stride: what the kernels take without a copy.
@@ -742,6 +766,8 @@ TORCH_LIBRARY(epifuse, m) {
   m.def("built_archs() -> str", []() { return std::string(epifuse::built_archs()); });
   m.def("supports_device(int major, int minor) -> bool",
         [](int64_t major, int64_t minor) { return epifuse::supports_device(int(major), int(minor)); });
+  // The fp32 GEMM precisions the ops take: "ieee", "3xtf32", "tf32" (python/epifuse/precision.py).
+  m.def("precision_names() -> str[]", []() { return epifuse::precision_names(); });
 }
 
 TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {

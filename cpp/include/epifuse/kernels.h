@@ -114,7 +114,7 @@ struct GemmPlan {
 // The plan for p (its shapes, dtype, math, operand pointers and strides) with epilogue e on
 // `device` (compute capability device_cc_major.device_cc_minor, the current device). The epilogue's
 // vectors (ops: a, c or colsum, colsumsq) are inputs too: the fused epilogues read them as 16-byte
-// vectors, so a misaligned one gives a plan without them.
+// vectors, so a misaligned one gives a plan that applies the epilogue as a separate pass.
 GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, int device,
                    int device_cc_major, int device_cc_minor);
 

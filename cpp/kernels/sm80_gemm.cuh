@@ -4,7 +4,7 @@
 // Runs on sm_80 and later (A100, A10/L4/L40, RTX 30xx/40xx, and Hopper when forced or for the
 // 3xTF32 mode, which has no wgmma form). x is row-major; w, the nn.Linear weight [N, K], is read as
 // a column-major K x N operand, so neither needs a copy. Modelled on CUTLASS example 47
-// (ampere_gemm_universal_streamk_broadcast); the configurations live in sm80_gemm_configs.hpp.
+// (ampere_gemm_universal_streamk_broadcast); the configurations are rows of generate_kernels.py.
 #pragma once
 
 #include <stdexcept>
@@ -95,7 +95,8 @@ struct GemmKernel {
 };
 
 // Entry points, explicitly instantiated once per configuration in the sm80_gemm_*.cu translation
-// units (declared `extern template` in sm80_gemm_configs.hpp).
+// units (generated with their `extern template` declarations in sm80_gemm_kernels.hpp by
+// generate_kernels.py).
 template <class Config>
 size_t affine_workspace_bytes(const GemmProblem& p) {
   return GemmKernel<Config, evt::PerColumnAffine>::workspace_bytes(p);

@@ -2,7 +2,7 @@
 //   D[m, n] = EVT(acc[m, n]),  acc = x[M, K] . w[N, K]^T in fp32.
 // x is row-major (K-major) and w is the nn.Linear weight as stored ([N, K], K-major), which is what
 // TF32 wgmma requires and what lets us skip transpose copies. Built with CUTLASS's CollectiveBuilder
-// (see CUTLASS example 49); the tile configurations live in sm90_gemm_configs.hpp.
+// (see CUTLASS example 49); the tile configurations are rows of generate_kernels.py.
 #pragma once
 
 #include <array>
@@ -207,8 +207,8 @@ using ColumnStatsKernel = GemmKernel<
     Config, evt::ColumnStatisticsTransposed<typename Config::TileShape, typename Config::ElementIn>>;
 
 // Entry points, explicitly instantiated once per configuration in the sm90_gemm_*.cu translation
-// units (declared `extern template` in sm90_gemm_configs.hpp so the dispatcher never instantiates a
-// kernel itself).
+// units (generated with their `extern template` declarations in sm90_gemm_kernels.hpp by
+// generate_kernels.py, so the dispatcher never instantiates a kernel itself).
 template <class Config>
 size_t affine_workspace_bytes(const GemmProblem& p, int device, int sm_count) {
   return AffineKernel<Config>::workspace_bytes(p, device, sm_count);

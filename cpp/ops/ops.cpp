@@ -13,11 +13,14 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
+#include <iterator>
 #include <optional>
 #include <tuple>
 #include <utility>
 #include <string>
+#include <vector>
 
 #include "epifuse/kernels.h"
 #include "head_config.h"
@@ -122,17 +125,38 @@ at::Tensor column_vector(const at::Tensor& v, int64_t n, const char* op, const c
   return v.contiguous();
 }
 
+// The fp32 GEMM precisions the ops take, the one place that names them: python/epifuse/precision.py
+// reads them through epifuse::precision_names (in this order) and documents them.
+constexpr std::pair<const char*, MathMode> kPrecisions[] = {
+    {"ieee", MathMode::kIEEE}, {"3xtf32", MathMode::k3xTF32}, {"tf32", MathMode::kTF32}};
+
+std::vector<std::string> precision_names() {
+  std::vector<std::string> names;
+  for (const auto& entry : kPrecisions) names.emplace_back(entry.first);
+  return names;
+}
+
+// "'ieee', '3xtf32' or 'tf32'", or with `last` as the last choice.
+std::string quoted_precisions(const char* last = nullptr) {
+  std::string out;
+  const size_t n = std::size(kPrecisions);
+  for (size_t i = 0; i < n; ++i) {
+    out += i == 0 ? "" : (i + 1 == n && last == nullptr ? " or " : ", ");
+    out = out + "'" + kPrecisions[i].first + "'";
+  }
+  return last != nullptr ? out + " or " + last : out;
+}
+
 MathMode math_mode(const std::string& precision, DType dtype, const char* op) {
-  EPIFUSE_CHECK_VALUE(precision == "ieee" || precision == "3xtf32" || precision == "tf32" ||
-                          precision.empty(),
-                      "epifuse::", op,
-                      ": precision must be 'ieee', '3xtf32', 'tf32' or '' (16-bit inputs), got '",
+  const auto* known = std::find_if(std::begin(kPrecisions), std::end(kPrecisions),
+                                   [&](const auto& entry) { return precision == entry.first; });
+  EPIFUSE_CHECK_VALUE(known != std::end(kPrecisions) || precision.empty(), "epifuse::", op,
+                      ": precision must be ", quoted_precisions("'' (16-bit inputs)"), ", got '",
                       precision, "'");
   if (dtype != DType::kFloat32) return MathMode::kNative;
-  EPIFUSE_CHECK_VALUE(!precision.empty(), "epifuse::", op,
-                      ": float32 inputs need precision 'ieee', '3xtf32' or 'tf32'");
-  if (precision == "tf32") return MathMode::kTF32;
-  return precision == "3xtf32" ? MathMode::k3xTF32 : MathMode::kIEEE;
+  EPIFUSE_CHECK_VALUE(!precision.empty(), "epifuse::", op, ": float32 inputs need precision ",
+                      quoted_precisions());
+  return known->second;
 }
 
 // Row-major with unit column stride: what the kernels take without a copy.
@@ -148,12 +172,32 @@ struct PreparedGemm {
   at::Tensor x, w, out;  // keep the (possibly copied) operands alive
 };
 
-// x [M, K] . w [N, K]^T -> out [M, N] (dtype of x) in `precision`. The 3xTF32 Hopper plan reads
-// strided operands as they are (its split copies them anyway); for every other plan the operands
-// get rows with unit column stride (copied only when the caller passed another view), unless
-// keep_views (the caller runs cuBLAS, which takes any layout).
+void bind_operands(PreparedGemm& g) {
+  GemmProblem& p = g.problem;
+  p.x = g.x.data_ptr();
+  p.ldx = g.x.stride(0);
+  p.x_col_stride = g.x.stride(1);
+  p.w = g.w.data_ptr();
+  p.ldw = g.w.stride(0);
+  p.w_col_stride = g.w.stride(1);
+}
+
+GemmPlan plan_gemm(const PreparedGemm& g, const EpilogueOperands& ops) {
+  return gemm_plan(g.problem, g.epilogue, ops, g.device, g.cc_major, g.cc_minor);
+}
+
+// The operand copies a plan reads (GemmPlan::copies): row-major, in a fresh allocation.
+void copy_operands(PreparedGemm& g, const GemmPlan& plan) {
+  if (!plan.copies.x && !plan.copies.w) return;
+  if (plan.copies.x) g.x = g.x.clone(at::MemoryFormat::Contiguous);
+  if (plan.copies.w) g.w = g.w.clone(at::MemoryFormat::Contiguous);
+  bind_operands(g);
+}
+
+// x [M, K] . w [N, K]^T -> out [M, N] (dtype of x) in `precision`, the operands bound as the
+// caller passed them (views included); the plan says which to copy (run_gemm).
 PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const std::string& precision,
-                          Epilogue epilogue, const char* op, bool keep_views = false) {
+                          Epilogue epilogue, const char* op) {
   EPIFUSE_CHECK(x_in.dim() == 2, "epifuse::", op, ": expected x to be 2-D [M, K], got ",
               x_in.dim(), "-D");
   EPIFUSE_CHECK(w_in.dim() == 2, "epifuse::", op, ": expected weight to be 2-D [N, K], got ",
@@ -180,22 +224,9 @@ PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const 
   p.ldo = std::max<int64_t>(N, 1);
   p.dtype = dtype;
   p.math = math_mode(precision, dtype, op);
-  auto bind = [&] {
-    p.x = g.x.data_ptr();
-    p.ldx = g.x.stride(0);
-    p.x_col_stride = g.x.stride(1);
-    p.w = g.w.data_ptr();
-    p.ldw = g.w.stride(0);
-    p.w_col_stride = g.w.stride(1);
-  };
   g.x = x_in;
   g.w = w_in;
-  bind();
-  if (!keep_views && !gemm_splits_operands(p, epilogue, g.cc_major, g.cc_minor)) {
-    g.x = rows_with_unit_stride(x_in);
-    g.w = rows_with_unit_stride(w_in);
-    bind();
-  }
+  bind_operands(g);
   return g;
 }
 
@@ -229,25 +260,27 @@ void cublas_product(const PreparedGemm& g) {
 // or chosen), it runs here with TF32 off whatever the global flag says (a forced 'ieee' under
 // set_float32_matmul_precision('high') used to take a CUTLASS SIMT GEMM, 1.2x slower than SGEMM),
 // then the epilogue as one more pass.
-void run_gemm(PreparedGemm& g, const EpilogueOperands& ops) {
+void run_gemm(PreparedGemm& g, const GemmPlan& plan, const EpilogueOperands& ops) {
   const Epilogue e = g.epilogue;
-  if (gemm_uses_host_sgemm(g.problem, e, g.cc_major, g.cc_minor)) {
+  copy_operands(g, plan);
+  if (plan.host_sgemm) {
     g.problem.math = MathMode::kIEEE;
     cublas_product(g);
     epilogue_pass(g.problem, e, ops, current_stream());
     return;
   }
   at::Tensor w_split;  // kept alive until the GEMM is enqueued
-  if (gemm_splits_operands(g.problem, e, g.cc_major, g.cc_minor)) {
+  if (plan.splits_operands) {
     w_split = cached_weight_split(g.w, g.problem, current_stream());
     g.problem.w_split = w_split.defined() ? w_split.data_ptr<float>() : nullptr;
   }
-  const size_t bytes = gemm_workspace_bytes(g.problem, e, g.cc_major, g.cc_minor);
+  const size_t bytes = gemm_workspace_bytes(plan, g.problem);
   at::Tensor workspace;
   if (bytes > 0) workspace = at::empty({int64_t(bytes)}, g.x.options().dtype(at::kByte));
-  gemm_run(g.problem, e, ops, bytes > 0 ? workspace.data_ptr() : nullptr, g.device, g.cc_major,
-           g.cc_minor, current_stream());
+  gemm_run(plan, g.problem, ops, bytes > 0 ? workspace.data_ptr() : nullptr, current_stream());
 }
+
+void run_gemm(PreparedGemm& g, const EpilogueOperands& ops) { run_gemm(g, plan_gemm(g, ops), ops); }
 
 at::Tensor gemm_affine_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& a,
                             const at::Tensor& c, c10::string_view precision) {
@@ -714,10 +747,11 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   // K-major copies of MN-major operands (cublas_tf32_k_major_copies says when and what it measured).
   // Our own TF32 kernel needs K-major operands too: with such copies (then Tensor::contiguous),
   // problem 84's TF32 training step took 2.31 ms against 1.60 ms with cuBLAS's (H100).
-  PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op,
-                                /*keep_views=*/true);
-  if (gemm_splits_operands(g.problem, Epilogue::kAffine, g.cc_major, g.cc_minor)) {
-    run_gemm(g, EpilogueOperands{});  // a = c = null: the plain product
+  PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op);
+  const EpilogueOperands plain;  // a = c = null: the plain product
+  const GemmPlan plan = plan_gemm(g, plain);
+  if (plan.splits_operands) {
+    run_gemm(g, plan, plain);
     return g.out;
   }
   const KMajorCopies copies = cublas_tf32_k_major_copies(g.problem, g.cc_major, g.cc_minor);
@@ -772,6 +806,8 @@ TORCH_LIBRARY(epifuse, m) {
   m.def("built_archs() -> str", []() { return std::string(epifuse::built_archs()); });
   m.def("supports_device(int major, int minor) -> bool",
         [](int64_t major, int64_t minor) { return epifuse::supports_device(int(major), int(minor)); });
+  // The fp32 GEMM precisions the ops take: "ieee", "3xtf32", "tf32" (python/epifuse/precision.py).
+  m.def("precision_names() -> str[]", []() { return epifuse::precision_names(); });
 }
 
 TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {

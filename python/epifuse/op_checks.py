@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import precision as _precision
+
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TYPE_NAMES = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16",
                torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
@@ -35,13 +37,19 @@ def check_kernel_dtype(t: Tensor, op: str) -> None:
                            f"(expected Float, Half or BFloat16)")
 
 
+def _quoted(names: tuple[str, ...], last: str) -> str:
+    return ", ".join(f"'{n}'" for n in names) + f" or {last}"
+
+
 def check_precision(precision: str, dtype: torch.dtype, op: str) -> None:
-    if precision not in ("ieee", "3xtf32", "tf32", ""):
-        raise ValueError(f"epifuse::{op}: precision must be 'ieee', '3xtf32', 'tf32' or '' "
+    # The messages of cpp/ops/ops.cpp's math_mode, from the same names.
+    names = _precision.NAMES
+    if precision not in names and precision != "":
+        raise ValueError(f"epifuse::{op}: precision must be {_quoted(names, repr(''))} "
                          f"(16-bit inputs), got '{precision}'")
     if dtype == torch.float32 and precision == "":
-        raise ValueError(f"epifuse::{op}: float32 inputs need precision 'ieee', '3xtf32' or "
-                         f"'tf32'")
+        raise ValueError(f"epifuse::{op}: float32 inputs need precision "
+                         f"{_quoted(names[:-1], repr(names[-1]))}")
 
 
 def _check_same_dtype(a: Tensor, b: Tensor) -> None:

@@ -1,6 +1,8 @@
-"""fp32 GEMM precision policy: the one place that names the precisions.
+"""fp32 GEMM precision policy.
 
-The ops take a precision string:
+The ops take a precision string. The names are defined once, by the op library
+(``torch.ops.epifuse.precision_names()``, cpp/ops/ops.cpp); this module binds
+them to the constants below and maps the user-facing spellings onto them:
 
 * ``"3xtf32"``: fp32 accuracy on the tensor cores. Each fp32 operand is split
   into TF32 hi + lo parts and three products are summed (lo*hi + hi*lo +
@@ -24,17 +26,16 @@ from typing import Mapping, Optional
 
 import torch
 
-IEEE = "ieee"
-TF32X3 = "3xtf32"
-TF32 = "tf32"
+# The op library's names (the library is loaded before this module is imported), in its order.
+IEEE, TF32X3, TF32 = NAMES = tuple(torch.ops.epifuse.precision_names())
 
 # Accepted spellings: ours, and torch.set_float32_matmul_precision's. The one table:
 # ModelNew (validate_precision) and both command lines (epifuse.cli) read it.
 ALIASES: Mapping[str, str] = MappingProxyType({
-    "ieee": IEEE,
+    IEEE: IEEE,
     "highest": TF32X3,  # torch's name for fp32 accuracy: what None runs under it
-    "3xtf32": TF32X3,
-    "tf32": TF32,
+    TF32X3: TF32X3,
+    TF32: TF32,
     "high": TF32,
     "medium": TF32,
 })

@@ -44,12 +44,13 @@ struct GemmProblem {
   const void* x = nullptr;  int64_t ldx = 0;  // [M, K], row stride ldx, unit column stride
   const void* w = nullptr;  int64_t ldw = 0;  // [N, K] (nn.Linear weight), row stride ldw
   void* out = nullptr;      int64_t ldo = 0;  // [M, N], row stride ldo
-  // Column strides of x and w. Only plans that split their operands (gemm_splits_operands) read
-  // strided columns (e.g. the transposed views of the backward's GEMMs); every other plan needs 1.
+  // Column strides of x and w. Only plans that split their operands (GemmPlan::splits_operands)
+  // read strided columns (e.g. the transposed views of the backward's GEMMs); the others ask for
+  // K-major copies (GemmPlan::copies).
   int64_t x_col_stride = 1, w_col_stride = 1;
   DType dtype = DType::kFloat32;              // of x, w and out alike
   MathMode math = MathMode::kTF32;
-  // Optional, for plans that split their operands (gemm_splits_operands): w already split
+  // Optional, for plans that split their operands (GemmPlan::splits_operands): w already split
   // (split_tf32_ld(K) floats per row, see split_tf32.hpp), e.g. cached while the weight is unchanged;
   // null: the GEMM splits w into its workspace.
   const float* w_split = nullptr;
@@ -62,21 +63,75 @@ struct EpilogueOperands {
   double* colsumsq = nullptr; // kColumnStats: [N]
 };
 
-// Whether this problem's product should come from cuBLAS's SGEMM (IEEE fp32), which the op layer
-// runs before calling epilogue_pass: for IEEE math, and for 3xTF32 problems too small to gain from
-// the split. gemm_run itself would use the portable SIMT GEMM for them.
-bool gemm_uses_host_sgemm(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
+// ---- GEMM planning ----------------------------------------------------------------------------
+// A GEMM runs in CUTLASS's order: arguments -> workspace size -> can_implement -> run. gemm_plan
+// decides everything once (gemm_dispatch.cu is the only place with shape heuristics); the workspace
+// query and the launch take its plan and decide nothing, so they cannot disagree.
 
-// Whether the plan for this problem is the Hopper 3xTF32 GEMM, which multiplies operands split into
-// TF32 hi/lo parts (split_tf32_weight below makes p.w_split ahead of time).
-bool gemm_splits_operands(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
+// Which kernels a plan runs.
+enum class GemmKernelKind {
+  kEmpty,            // no output elements: nothing to multiply (column statistics are zeroed)
+  kPortable,         // the SIMT GEMM writing z, then the epilogue as its own pass (any alignment)
+  kHostSgemm,        // cuBLAS's SGEMM, run by the op layer, then epilogue_pass (gemm_run: kPortable)
+  kSm90,             // one Hopper TMA + wgmma GEMM with the epilogue fused (TF32, 16-bit)
+  kSm90Split3xTf32,  // the operands split into TF32 hi/lo parts, then the Hopper 3xTF32 GEMM
+  kSm80,             // one CUTLASS 2.x mma.sync GEMM with the epilogue fused (TF32, 3xTF32, 16-bit)
+};
+
+// Operands to copy into K-major rows (unit column stride) before a launch; see GemmPlan.
+struct KMajorCopies {
+  bool x = false, w = false;
+};
+
+struct GemmPlan {
+  GemmKernelKind kind = GemmKernelKind::kEmpty;
+  // The tile configuration of kSm90 / kSm90Split3xTf32 / kSm80: a row of the generated kernel table
+  // (generate_kernels.py), named for logs; -1 and "" for the other kinds.
+  int kernel = -1;
+  const char* kernel_name = "";
+  // kind == kHostSgemm: the op layer runs cuBLAS's SGEMM (IEEE fp32) before epilogue_pass; chosen
+  // for IEEE math, and for 3xTF32 problems too small to gain from the split.
+  bool host_sgemm = false;
+  // kind == kSm90Split3xTf32: the GEMM multiplies operands split into TF32 hi/lo parts. It reads
+  // x and w with any strides; p.w_split may carry a split made ahead of time (split_weight below).
+  bool splits_operands = false;
+  // Every other plan reads rows with unit column stride: the caller replaces an operand marked here
+  // by a row-major copy in a fresh allocation (16-byte aligned, row stride K) before the launch.
+  // The plan was made for those copies.
+  KMajorCopies copies;
+  // Device workspace bytes of the launch when it splits w itself (p.w_split null); a launch given
+  // p.w_split needs weight_split_bytes fewer. gemm_workspace_bytes says which.
+  size_t workspace_bytes = 0;
+  size_t weight_split_bytes = 0;
+  // What the plan was made for (gemm_run checks that the launch matches).
+  int64_t M = 0, N = 0, K = 0;
+  DType dtype = DType::kFloat32;
+  MathMode math = MathMode::kTF32;
+  Epilogue epilogue = Epilogue::kAffine;
+  int device = 0, sm_count = 0;
+};
+
+// The plan for p (its shapes, dtype, math, operand pointers and strides) with epilogue e on
+// `device` (compute capability device_cc_major.device_cc_minor, the current device). The epilogue's
+// vectors (ops: a, c or colsum, colsumsq) are inputs too: the fused epilogues read them as 16-byte
+// vectors, so a misaligned one gives a plan that applies the epilogue as a separate pass.
+GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, int device,
+                   int device_cc_major, int device_cc_minor);
+
+// Device workspace bytes the launch of `plan` on p needs (0 when none): plan.workspace_bytes, less
+// the weight split when p.w_split carries one. Allocate with any allocator, 16-byte aligned.
+size_t gemm_workspace_bytes(const GemmPlan& plan, const GemmProblem& p);
+
+// Runs the planned GEMM and its epilogue on `stream`. p is the planned problem with the operand
+// copies the plan asked for bound in, and p.w_split when the plan splits; ops are the planned
+// epilogue vectors; `workspace` holds gemm_workspace_bytes(plan, p) bytes. Throws
+// std::invalid_argument when p or ops are not what the plan was made for.
+void gemm_run(const GemmPlan& plan, const GemmProblem& p, const EpilogueOperands& ops,
+              void* workspace, cudaStream_t stream);
 
 // For a product the op layer runs on cuBLAS in TF32 (the backward's dX = dZ . W, dW = dZ^T . X):
 // which of x, w (strided views, x_col_stride / w_col_stride != 1 where MN-major) to copy K-major
 // first, because the copy costs less than the slower kernel cuBLAS takes for that layout.
-struct KMajorCopies {
-  bool x = false, w = false;
-};
 KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int device_cc_major, int device_cc_minor);
 
 // dst [rows, cols] (row stride ld_dst) = src^T, src [cols, rows] (row stride ld_src): dst[r, c] =
@@ -84,17 +139,11 @@ KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int device_cc_majo
 void transpose(const void* src, int64_t ld_src, void* dst, int64_t ld_dst, int64_t rows,
                int64_t cols, DType dtype, cudaStream_t stream);
 
-// The weight of such a problem (p.w, p.N, p.K, p.ldw, p.w_col_stride) split into dst, which holds
-// split_weight_floats(p) floats; the caller may keep it as p.w_split while the weight is unchanged.
+// The weight of a problem whose plan splits its operands (p.w, p.N, p.K, p.ldw, p.w_col_stride)
+// split into dst, which holds split_weight_floats(p) floats; the caller may keep it as p.w_split
+// while the weight is unchanged.
 size_t split_weight_floats(const GemmProblem& p);
 void split_weight(const GemmProblem& p, float* dst, cudaStream_t stream);
-
-// Device workspace bytes the plan needs (0 when none). Allocate with any allocator, 16-byte aligned.
-size_t gemm_workspace_bytes(const GemmProblem& p, Epilogue e, int device_cc_major, int device_cc_minor);
-
-// Runs the GEMM and its epilogue on `stream`. `workspace` holds gemm_workspace_bytes(...) bytes.
-void gemm_run(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, void* workspace,
-              int device, int device_cc_major, int device_cc_minor, cudaStream_t stream);
 
 // Applies the epilogue to a product already stored in p.out (computed by another GEMM, e.g. cuBLAS):
 // kAffine rewrites it in place, kColumnStats reads it into colsum / colsumsq.

@@ -1,6 +1,0 @@
-// Instantiates the tf32 sm80 GEMM with the column-statistics epilogue (training mode).
-#include "sm80_gemm_configs.hpp"
-
-namespace epifuse::sm80 {
-EPIFUSE_SM80_INSTANTIATE_COLUMN_STATS(Tf32)
-}  // namespace epifuse::sm80

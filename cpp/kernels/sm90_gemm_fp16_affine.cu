@@ -1,6 +1,0 @@
-// Instantiates the fp16 Hopper GEMM with the per-column affine epilogue (eval mode).
-#include "sm90_gemm_configs.hpp"
-
-namespace epifuse::sm90 {
-EPIFUSE_SM90_INSTANTIATE_AFFINE(Fp16Wide)
-}  // namespace epifuse::sm90

@@ -1,6 +1,0 @@
-// Instantiates the tf32 Hopper GEMM with the per-column affine epilogue (eval mode).
-#include "sm90_gemm_configs.hpp"
-
-namespace epifuse::sm90 {
-EPIFUSE_SM90_INSTANTIATE_AFFINE(Tf32Wide)
-}  // namespace epifuse::sm90

@@ -1,7 +1,0 @@
-// Instantiates the tf32 Hopper GEMM for small batches (transposed, stream-K; see small_batch in
-// gemm_dispatch.cu) with the per-column affine epilogue.
-#include "sm90_gemm_configs.hpp"
-
-namespace epifuse::sm90 {
-EPIFUSE_SM90_INSTANTIATE_AFFINE(Tf32SmallM)
-}  // namespace epifuse::sm90

@@ -1,9 +1,11 @@
 // See weight_split_cache.h.
 #include "weight_split_cache.h"
 
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+// c10's stream header, not ATen/cuda/CUDAContext.h: that one includes cusparse.h and cublas,
+// which a CUDA toolkit without the math libraries (CI's) lacks.
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <functional>
@@ -110,7 +112,7 @@ at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaSt
 at::Tensor kept_weight_cast(const at::Tensor& w, at::ScalarType dtype) {
   if (w.scalar_type() == dtype) return w;
   if (!w.is_cuda()) return w.to(dtype);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(w.device().index()).stream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(w.device().index()).stream();
   at::Tensor cast = kept(w, int(dtype), stream, [&] { return w.to(dtype); });
   return cast.defined() ? cast : w.to(dtype);
 }

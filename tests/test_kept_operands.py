@@ -1,0 +1,135 @@
+"""Kept operands (cpp/ops/weight_split_cache.h) across CUDA streams.
+
+A weight's 3xTF32 split, or its 16-bit cast under autocast, is kept while the weight is unchanged
+and made on whichever stream first needs it. A forward on another stream must wait for it to be
+written, and a weight written in between must never be read through a stale copy. Each test delays
+the stream that makes the kept operand (``torch.cuda._sleep``) and reads it at once from a second
+stream that does not wait for the first: without the event the cache records, the second stream
+would read memory the first has not written yet. The kernels launched prove the kept copy was read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epifuse import ops
+from helpers import rel_err
+
+pytestmark = pytest.mark.hopper
+
+CUDA = torch.device("cuda")
+SLEEP_CYCLES = 200_000_000  # ~0.1 s at Hopper clocks: far longer than the reads that follow
+
+
+def _kernels(fn) -> list[str]:
+    """Names of the CUDA kernels fn() launches, in launch order (repeats kept)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _on(stream: torch.cuda.Stream, fn, *, late: bool = False):
+    """fn() on `stream`; late: behind a long sleep, so what it makes there is written ~0.1 s later."""
+    with torch.cuda.stream(stream):
+        if late:
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return fn()
+
+
+def _fresh_blocks():
+    """Let the kept copy land in memory that held nothing useful (not a freed earlier copy)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _race(make_on, read_on, fn):
+    """The kept operand made on `make_on` behind a sleep, read at once on `read_on` (no ordering
+    between the two streams from the caller: only the cache's event can order them)."""
+    _fresh_blocks()
+    made = _on(make_on, fn, late=True)
+    read = _on(read_on, fn)
+    torch.cuda.synchronize()
+    return made, read
+
+
+def _streams():
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    s1.wait_stream(torch.cuda.current_stream())
+    s2.wait_stream(torch.cuda.current_stream())
+    return s1, s2
+
+
+def test_weight_split_made_on_one_stream_is_waited_for_on_another():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the split 3xTF32 GEMM (and its kept weight split) is Hopper's")
+    # 1024 x 2048 -> 1024: 2^31 multiply-adds, over the split's threshold (gemm_dispatch.cu).
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(1024, 2048, device=CUDA, generator=gen)
+    w = torch.randn(1024, 2048, device=CUDA, generator=gen)
+    a, c = torch.ones(1024, device=CUDA), torch.zeros(1024, device=CUDA)
+    s1, s2 = _streams()
+
+    def gemm():
+        return ops.gemm_affine(x, w, a, c, "3xtf32")
+
+    def splits(stream):  # split_tf32 launches of one call: x's, and w's unless it was kept
+        return sum("split_tf32" in k for k in _kernels(lambda: _on(stream, gemm)))
+
+    assert splits(s1) == 2  # first sight of w: x and w split in place, w's version remembered
+    y1, y2 = _race(s1, s2, gemm)  # second sight: w's split made on s1 and kept; read on s2
+    expected = x.double() @ w.double().T
+    assert rel_err(y1, expected) <= 1e-6
+    assert rel_err(y2, expected) <= 1e-6
+    assert splits(s2) == 1  # x only: w's split is the kept one
+
+    # A weight update on s2 (an optimizer step), then the split kept again, made on s2, read on s1.
+    with torch.cuda.stream(s2), torch.no_grad():
+        w.mul_(-0.5)
+    s1.wait_stream(s2)  # the caller orders the update, as for any tensor
+    assert splits(s1) == 2  # a new version: split in place again
+    _, y3 = _race(s2, s1, gemm)
+    assert rel_err(y3, x.double() @ w.double().T) <= 1e-6
+    assert splits(s1) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_cast_made_on_one_stream_is_waited_for_on_another(dtype):
+    """Eval under autocast: the 16-bit weight is kept per version, like the split."""
+    from epifuse.problems import gemm_scale_bn
+
+    torch.manual_seed(0)
+    model = gemm_scale_bn.ModelNew(1024, 1024, (1024,)).to(CUDA).eval()
+    with torch.no_grad():  # running statistics that make the output depend on every column
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    x = torch.rand(512, 1024, device=CUDA)
+    s1, s2 = _streams()
+
+    def forward():
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+            return model(x)
+
+    def expected():  # the unfused modules under the same autocast
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+            return gemm_scale_bn.Model.forward(model, x).double()
+
+    def launches(stream):
+        return len(_kernels(lambda: _on(stream, forward)))
+
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    first = launches(s1)  # first sight: x and W cast in place
+    y1, y2 = _race(s1, s2, forward)  # second sight: W's cast made on s1 and kept; read on s2
+    assert torch.equal(y1, y2)
+    assert rel_err(y2, expected()) <= tol
+    assert launches(s2) == first - 1  # one cast fewer: W's is the kept one
+
+    with torch.cuda.stream(s2), torch.no_grad():
+        model.gemm.weight.mul_(-0.5)
+    s1.wait_stream(s2)
+    assert launches(s1) == first  # a new version: cast in place again
+    _, y3 = _race(s2, s1, forward)
+    assert rel_err(y3, expected()) <= tol
+    assert launches(s1) == first - 1

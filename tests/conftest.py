@@ -73,7 +73,7 @@ def op_calls(monkeypatch):
     from epifuse import ops
 
     calls: list[str] = []
-    for name in ("gemm_affine", "gemm_colstats", "bn_fold_train", "bn_fold_eval",
+    for name in ("gemm_affine", "gemm_colstats", "bn_fold_train", "bn_fold_eval", "bn_fold_batch",
                  "affine_softmax", "affine_softmax_", "affine_", "affine"):
         real = getattr(ops, name)
 

@@ -32,7 +32,7 @@ def _kernels(fn) -> list[str]:
 
 
 def _on(stream: torch.cuda.Stream, fn, *, late: bool = False):
-    """fn() on `stream`; late: behind a long sleep, so what it makes there is written ~0.1 s later."""
+    """fn() on `stream`; late: behind a long sleep (what fn makes there is written ~0.1 s later)."""
     with torch.cuda.stream(stream):
         if late:
             torch.cuda._sleep(SLEEP_CYCLES)

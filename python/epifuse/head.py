@@ -139,13 +139,15 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
         return f"input has {x.shape[1]} features, gemm expects {gemm.in_features}"
     if x.shape[0] == 0:
         return "empty batch"
-    if bn.training and x.shape[0] == 1:
+    if _batch_statistics(parts) and x.shape[0] == 1:
         # BatchNorm raises for this; the reference path raises it before any GEMM runs.
         return "training batch of 1 row"
     if x.dtype not in _FAST_DTYPES:
         return f"dtype {x.dtype} not supported"
-    if not bn.affine or parts.running_mean is None or parts.running_var is None:
-        return "BatchNorm without affine parameters or running statistics"
+    if (parts.gamma is None) != (parts.beta is None):
+        return "BatchNorm has a weight without a bias or a bias without a weight"
+    if (parts.running_mean is None) != (parts.running_var is None):
+        return "BatchNorm has one running statistic without the other"
     n = gemm.out_features
     if bn.num_features != n:
         return f"BatchNorm has {bn.num_features} features, gemm has {n}"
@@ -166,6 +168,28 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
     return None
 
 
+def _batch_statistics(parts: _Parts) -> bool:
+    """BatchNorm's rule: batch statistics in training, and in eval too without running ones."""
+    return parts.bn.training or parts.running_mean is None
+
+
+def _bn_defaults(parts: _Parts) -> _Parts:
+    """The BatchNorm variants as the ops take them: affine=False is weight 1 and bias 0, and
+    without running statistics (track_running_stats=False) the ops get mean 0 / variance 1
+    stand-ins that batch statistics never read (and nothing updates)."""
+    if parts.gamma is not None and parts.running_mean is not None:
+        return parts
+    like = parts.weight
+    n = parts.bn.num_features
+    ones = torch.ones(n, dtype=like.dtype, device=like.device)
+    zeros = torch.zeros(n, dtype=like.dtype, device=like.device)
+    if parts.gamma is None:
+        parts = parts._replace(gamma=ones, beta=zeros)
+    if parts.running_mean is None:
+        parts = parts._replace(running_mean=zeros, running_var=ones)
+    return parts
+
+
 def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
              reference: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
     """Forward of a head module: fused on supported inputs, ``reference(module, x)`` otherwise."""
@@ -175,31 +199,34 @@ def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
     if _reason(parts, x) is not None:
         return reference(module, x) if group is None else _synced_reference(module, x, spec, group)
     bn = parts.bn
+    tracks_running_stats = parts.running_mean is not None
     config = HeadConfig(precision=resolve_precision(module.precision, x.dtype),
-                        training=bn.training, scale_before_bn=spec.scale_before_bn,
+                        training=_batch_statistics(parts), scale_before_bn=spec.scale_before_bn,
                         softmax=spec.softmax, momentum=bn.momentum, eps=bn.eps,
                         group_name="" if group is None else group.group_name,
                         has_scale=spec.has_scale)
+    parts = _bn_defaults(parts)
     # Under CUDA autocast the head runs epifuse::fused_head, whose AutocastCUDA kernel picks the
     # GEMMs' 16-bit dtype and the output dtype (the in-place ops below have no autocast kernel).
     if group is None and not torch.is_autocast_enabled("cuda") and not (
             torch.is_grad_enabled() and (x.requires_grad or any(
                 p is not None and p.requires_grad
                 for p in (parts.weight, parts.bias, parts.gamma, parts.beta, parts.scale)))):
-        return _fused_forward(x, parts, config)
-    return _differentiable_forward(x, parts, config)
+        return _fused_forward(x, parts, config, tracks_running_stats)
+    return _differentiable_forward(x, parts, config, tracks_running_stats)
 
 
 # --------------------------------------------------------------------------- differentiable forward
 
-def _differentiable_forward(x: Tensor, parts: _Parts, config: HeadConfig) -> Tensor:
+def _differentiable_forward(x: Tensor, parts: _Parts, config: HeadConfig,
+                            update_running_stats: bool) -> Tensor:
     """epifuse::fused_head, then the running-statistics update it leaves to its caller."""
     p = parts
     with _range("epifuse.fused_head"):
         out, _, colsum, colsumsq, moments = fused_head(
             x, p.weight, p.bias, p.gamma, p.beta, p.scale, p.running_mean, p.running_var,
             **config.kwargs())
-    if config.training:
+    if config.training and update_running_stats:
         with _range("epifuse.running_stats"), torch.no_grad():
             if not config.group_name:
                 # bn_fold_train's update from the batch sums (its a, c repeat the op's).
@@ -232,16 +259,22 @@ def _synced_reference(module: nn.Module, x: Tensor, spec: HeadConfig, group) -> 
 
 # --------------------------------------------------------------------------- fused forward
 
-def _fused_forward(x: Tensor, parts: _Parts, config: HeadConfig) -> Tensor:
+def _fused_forward(x: Tensor, parts: _Parts, config: HeadConfig,
+                   update_running_stats: bool) -> Tensor:
     p = parts
     pre, post = split_scale(config, p.scale)
     if config.training:
         with _range("epifuse.gemm"):
             z, colsum, colsumsq = ops.gemm_colstats(x, p.weight, config.precision)
         with _range("epifuse.fold"):
-            a, c = ops.bn_fold_train(colsum, colsumsq, x.shape[0], p.bias, p.gamma, p.beta, pre,
-                                     post, p.running_mean, p.running_var, p.num_batches_tracked,
-                                     momentum=config.momentum, eps=config.eps)
+            if update_running_stats:
+                a, c = ops.bn_fold_train(colsum, colsumsq, x.shape[0], p.bias, p.gamma, p.beta,
+                                         pre, post, p.running_mean, p.running_var,
+                                         p.num_batches_tracked, momentum=config.momentum,
+                                         eps=config.eps)
+            else:
+                a, c, _ = ops.bn_fold_batch(colsum, colsumsq, x.shape[0], p.bias, p.gamma,
+                                            p.beta, pre, post, eps=config.eps)
         if config.softmax:
             with _range("epifuse.softmax"):
                 ops.affine_softmax_(z, a, c)

@@ -39,9 +39,6 @@ def check_head_parts(linear: nn.Module, batch_norm: nn.Module, scale: Optional[T
     if batch_norm.num_features != n:
         raise ValueError(f"batch_norm has {batch_norm.num_features} features, linear has "
                          f"out_features={n}")
-    if not (batch_norm.affine and batch_norm.track_running_stats):
-        raise ValueError("the fused head needs a BatchNorm with affine=True and "
-                         "track_running_stats=True")
     if scale_position not in SCALE_POSITIONS:
         raise ValueError(f"scale_position must be one of {SCALE_POSITIONS}, got "
                          f"{scale_position!r}")
@@ -99,8 +96,9 @@ class FusedLinearBatchNorm(HeadModule):
 
     Args:
         linear: the ``nn.Linear`` (kept as the submodule ``gemm``).
-        batch_norm: an ``nn.BatchNorm1d`` (or ``nn.SyncBatchNorm``) with ``affine=True`` and
-            ``track_running_stats=True`` over ``linear.out_features`` features (``bn``).
+        batch_norm: an ``nn.BatchNorm1d`` (or ``nn.SyncBatchNorm``) over ``linear.out_features``
+            features (``bn``); any variant: ``affine=False``, ``track_running_stats=False`` (batch
+            statistics in eval too), ``momentum=None`` (cumulative average).
         scale: optional per-column multiplier of shape ``(1,)`` or ``(out_features,)``; an
             ``nn.Parameter`` stays a parameter (``scale``), any other tensor becomes a buffer.
         scale_position: ``"after_bn"`` (``bn(z) * scale``, KernelBench 84) or ``"before_bn"``

@@ -105,7 +105,8 @@ def fuse(model: nn.Module, *, precision: Optional[str] = None) -> tuple[nn.Modul
     """Fuse every ``Linear -> BatchNorm1d [-> scale] [-> softmax]`` chain of ``model``, in place.
 
     A chain is an ``nn.Linear`` whose output feeds only an ``nn.BatchNorm1d``
-    (or ``nn.SyncBatchNorm``) with ``affine=True`` and ``track_running_stats=True``,
+    (or ``nn.SyncBatchNorm``; any variant: ``affine=False``, ``track_running_stats=False``,
+    ``momentum=None``; the Linear with or without bias),
     optionally multiplied before or after the BatchNorm by a parameter or
     buffer of shape ``(1,)`` or ``(out_features,)``, and optionally followed
     by a softmax over dim 1 or -1 (``nn.Softmax``, ``torch.softmax``,

@@ -1,8 +1,8 @@
 """Finding ``Linear -> [x scale] -> BatchNorm1d -> [x scale] -> [softmax]`` in an fx graph.
 
 ``match_chains`` walks a traced graph from every ``nn.Linear`` call and
-returns the chains it can fuse plus the near misses (a BatchNorm without
-affine parameters, a Linear output used twice, ...) with the reason.
+returns the chains it can fuse plus the near misses (a feature-count mismatch,
+a Linear output used twice, ...) with the reason.
 ``rewrite`` replaces each matched run of nodes by one call of a FusedChain.
 """
 
@@ -101,10 +101,6 @@ def _softmax_dim(modules: dict[str, nn.Module], node: fx.Node, source: fx.Node):
 def _bn_problem(bn: nn.Module, n: int) -> Optional[str]:
     if not isinstance(bn, BATCH_NORMS):
         return None  # not a BatchNorm1d at all: not a candidate, nothing to report
-    if not bn.affine:
-        return "BatchNorm has affine=False (the fold needs its weight and bias)"
-    if not bn.track_running_stats:
-        return "BatchNorm has track_running_stats=False (eval needs running statistics)"
     if bn.num_features != n:
         return f"BatchNorm has {bn.num_features} features, the Linear {n}"
     return None

@@ -1,0 +1,165 @@
+"""Every BatchNorm1d variant in a fused head: affine=False, track_running_stats=False (batch
+statistics in eval too, no running statistics to update), momentum=None (cumulative average), and a
+Linear without bias; the unfused modules are the reference.
+
+On CPU the fused op sequence runs through the ops' CPU kernels (``fused_on_cpu``) and ``op_calls``
+/ the autograd node prove it ran; on the GPU the CUDA kernels run and the results are held to a
+float64 twin, no farther from it than eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import epifuse
+from epifuse import head
+from epifuse.nn import FusedLinearBatchNorm
+from helpers import FUSED_NODE, rel_err
+
+IN, OUT, ROWS = 24, 16, 32
+
+VARIANTS = {
+    "affine=False": ({}, {"affine": False}),
+    "track_running_stats=False": ({}, {"track_running_stats": False}),
+    "affine=False,track_running_stats=False": ({}, {"affine": False, "track_running_stats": False}),
+    "momentum=None": ({}, {"momentum": None}),
+    "Linear(bias=False)": ({"bias": False}, {}),
+}
+
+
+@torch.no_grad()
+def _randomize_bn_(bn: nn.BatchNorm1d) -> None:
+    g = torch.Generator().manual_seed(3)
+    if bn.affine:
+        bn.weight.copy_(torch.rand(bn.weight.shape, generator=g) + 0.5)
+        bn.bias.copy_(torch.rand(bn.bias.shape, generator=g) - 0.5)
+    if bn.track_running_stats:
+        bn.running_mean.copy_(torch.rand(bn.running_mean.shape, generator=g) - 0.5)
+        bn.running_var.copy_(torch.rand(bn.running_var.shape, generator=g) + 0.5)
+
+
+def _pair(variant: str, softmax: bool, device="cpu", in_f=IN, out_f=OUT):
+    """(unfused Sequential, fused head) over copies of the same modules."""
+    linear_kwargs, bn_kwargs = VARIANTS[variant]
+    torch.manual_seed(0)
+    lin, bn = nn.Linear(in_f, out_f, **linear_kwargs), nn.BatchNorm1d(out_f, **bn_kwargs)
+    _randomize_bn_(bn)
+    layers = [copy.deepcopy(lin), copy.deepcopy(bn)] + ([nn.Softmax(dim=1)] if softmax else [])
+    fused = FusedLinearBatchNorm(lin, bn, softmax=softmax)
+    return nn.Sequential(*layers).to(device), fused.to(device)
+
+
+def _expected_ops(variant: str, training: bool) -> list[str]:
+    tracking = VARIANTS[variant][1].get("track_running_stats", True)
+    if training or not tracking:  # batch statistics
+        return ["gemm_colstats", "bn_fold_train" if tracking and training else "bn_fold_batch"]
+    return ["bn_fold_eval", "gemm_affine"]
+
+
+def _head_name(name: str) -> str:
+    """The fused head's name of a parameter or buffer of the unfused Sequential (0: gemm, 1: bn)."""
+    return name.replace("0.", "gemm.", 1) if name.startswith("0.") else name.replace("1.", "bn.", 1)
+
+
+def _assert_same_state(new: nn.Module, ref: nn.Module) -> None:
+    new_state = new.state_dict()
+    ref_state = {_head_name(k): v for k, v in ref.state_dict().items()}
+    assert set(new_state) == set(ref_state)
+    for name, value in ref_state.items():
+        assert rel_err(new_state[name], value) < 1e-6, name
+
+
+@pytest.mark.parametrize("softmax", [False, True], ids=["", "softmax"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_forward_matches_the_modules_cpu(fused_on_cpu, op_calls, variant, training, softmax):
+    ref, new = _pair(variant, softmax)
+    ref.train(training), new.train(training)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.rand(ROWS, IN, generator=g)
+            assert head.fast_path_reason(new, x) is None  # on CPU only with fused_on_cpu
+            assert rel_err(new(x), ref(x)) < 1e-5, step
+            _assert_same_state(new, ref)
+    assert op_calls[:2] == _expected_ops(variant, training), op_calls
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gradients_match_the_modules_cpu(fused_on_cpu, variant, training):
+    ref, new = _pair(variant, softmax=True)
+    ref.train(training), new.train(training)
+    x = torch.rand(ROWS, IN, generator=torch.Generator().manual_seed(2))
+    grad = torch.randn(ROWS, OUT, generator=torch.Generator().manual_seed(4))
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    y_new, y_ref = new(xs[0]), ref(xs[1])
+    assert y_new.grad_fn.name() == FUSED_NODE  # the fused backward, not the modules' autograd
+    y_new.backward(grad), y_ref.backward(grad)
+    assert rel_err(y_new, y_ref) < 1e-5
+    assert rel_err(xs[0].grad, xs[1].grad) < 1e-5
+    ref_params = {_head_name(k): v for k, v in ref.named_parameters()}
+    new_params = dict(new.named_parameters())
+    assert set(new_params) == set(ref_params)
+    for name, p in new_params.items():
+        assert rel_err(p.grad, ref_params[name].grad) < 1e-5, name
+    _assert_same_state(new, ref)
+
+
+def test_fuse_takes_a_projection_mlp_with_an_affine_free_last_batchnorm(fused_on_cpu, op_calls):
+    """The self-supervised projection head (SimCLR / MoCo v3): every Linear -> BatchNorm fused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, 32), nn.BatchNorm1d(32), nn.ReLU(inplace=True),
+                          nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(inplace=True),
+                          nn.Linear(32, OUT, bias=False), nn.BatchNorm1d(OUT, affine=False))
+    original = copy.deepcopy(model)
+    _, report = epifuse.fuse(model)
+    assert [f.where for f in report.fused] == ["0 -> 1", "3 -> 4", "6 -> 7"]
+    assert report.skipped == []
+    x = torch.rand(ROWS, IN)
+    with torch.no_grad():
+        assert rel_err(model(x), original(x)) < 1e-5
+    assert op_calls.count("gemm_colstats") == 3
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _oracle_errors(model: nn.Module, twin: nn.Module, x: torch.Tensor, grad: torch.Tensor):
+    """Relative errors vs the float64 twin of the output, dX and every parameter gradient."""
+    xs = [x.clone().requires_grad_(), x.double().requires_grad_()]
+    y, y64 = model(xs[0]), twin(xs[1])
+    y.backward(grad), y64.backward(grad.double())
+    errors = {"out": rel_err(y, y64), "dx": rel_err(xs[0].grad, xs[1].grad)}
+    for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        errors[_head_name(name)] = rel_err(p.grad, q.grad)
+    return y, errors
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variants_on_gpu_no_farther_from_float64_than_eager(variant, training):
+    # 1024 x 1024 -> 1024: at PyTorch's default precision the split 3xTF32 GEMM runs (Hopper).
+    ref, new = _pair(variant, softmax=False, device="cuda", in_f=1024, out_f=1024)
+    twin = copy.deepcopy(ref).double()
+    for m in (ref, new, twin):
+        m.train(training)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.rand(1024, 1024, device="cuda", generator=g)
+    grad = torch.randn(1024, 1024, device="cuda", generator=g)
+    assert head.fast_path_reason(new, x) is None
+    y_new, err_new = _oracle_errors(new, twin, x, grad)
+    assert y_new.grad_fn.name() == FUSED_NODE
+    twin_again = copy.deepcopy(ref).double()  # the twin's running statistics moved once already
+    _, err_eager = _oracle_errors(ref, twin_again, x, grad)
+    for name, e in err_new.items():
+        assert e <= 1.25 * err_eager[name] + 1e-6, (name, err_new, err_eager)
+    _assert_same_state(new, ref)  # running statistics updated as BatchNorm's (or not at all)
+    with torch.no_grad():  # the in-place path (no autograd) too
+        y_new, y_ref, y64 = new(x), ref(x), twin_again(x.double())
+        assert rel_err(y_new, y64) <= 1.25 * rel_err(y_ref, y64) + 1e-6

@@ -127,7 +127,7 @@ def assert_head_grads_close(number: int, training: bool, model: nn.Module, g_new
 
     In training, BatchNorm removes gemm.bias (and, up to eps, problem 39's scale, which multiplies
     before it): their true gradients vanish and Model's are rounding noise, so those two are
-    compared against the weight gradient's size (tests/test_backward_cpu.py holds every gradient
+    compared against the weight gradient's size (tests/test_backward.py holds every gradient
     to float64).
     """
     names = ["x"] + [n for n, _ in model.named_parameters()]

@@ -16,7 +16,7 @@ def _run(*args):
                           text=True, timeout=300)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke; the GPU run is in test_gpu_models")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke; the GPU run is in test_head")
 def test_main_cpu_smoke():
     out = _run("--iters", "2", "--dtype", "float32", "bfloat16")
     assert out.returncode == 0, out.stdout + out.stderr

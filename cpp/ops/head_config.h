@@ -11,7 +11,7 @@
 //     (EPIFUSE_HEAD_CONFIG_FROM_PARAMS), the arguments of an op call (EPIFUSE_HEAD_ARGS),
 //   * the autograd save / restore (save_head_config, load_head_config).
 // Adding a setting: one row here, its field in python/epifuse/head_config.py (HeadConfig, with
-// the same default: tests/test_ops_cpu.py checks they agree), and the code that uses it.
+// the same default: tests/test_ops.py checks they agree), and the code that uses it.
 #pragma once
 
 #include <ATen/core/ivalue.h>

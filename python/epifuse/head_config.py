@@ -6,7 +6,7 @@ the per-pass ops take the few they use (``bn_fold_train(..., momentum=..., eps=.
 
 The settings' one table on the C++ side is ``cpp/ops/head_config.h`` (``EPIFUSE_HEAD_CONFIG``): it
 generates the schemas' keyword sections, the C++ ``HeadConfig`` and the autograd's save/restore.
-This tuple has the same fields, in the same order and with the same defaults (tests/test_ops_cpu.py
+This tuple has the same fields, in the same order and with the same defaults (tests/test_ops.py
 checks them against the schemas). Adding a setting: a row there, a field here.
 
 A NamedTuple rather than a dataclass: one is built per forward, and constructing it costs a

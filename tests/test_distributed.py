@@ -1,9 +1,13 @@
-"""Synchronized batch statistics (epifuse.distributed) on CPU: merge math, API, 2-rank gloo runs.
+"""Synchronized batch statistics (epifuse.distributed): merge math, API, 2-rank runs.
 
-The multi-rank checks run tests/distributed/*.py under torchrun with the gloo
+The multi-rank checks run tests/distributed/*.py under torchrun. On CPU, with the gloo
 backend: oracle_check.py compares synced ModelNew (reference and fused paths)
 with one-process BatchNorm over the concatenated batch; sync_bn_check.py
---smoke-cpu dry-runs the GPU check script (tests/test_gpu_distributed.py).
+--smoke-cpu dry-runs the GPU check script.
+
+Marked `gpu` and skipped below 2 CUDA GPUs: ModelNew against nn.SyncBatchNorm on 2 GPUs (NCCL),
+tests/distributed/sync_bn_check.py (and the float64-oracle check) under
+``torchrun --nproc_per_node=2``; see README "Data-parallel training (SyncBatchNorm)".
 """
 
 from __future__ import annotations
@@ -136,6 +140,34 @@ def test_two_ranks_match_concatenated_batch_oracle():
 
 def test_gpu_check_script_smoke_on_cpu():
     assert "[sync_bn_check] PASS" in _run("sync_bn_check.py", "--smoke-cpu")
+
+
+# --------------------------------------------------------------------------- 2 GPUs (NCCL)
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason=f"needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
+
+# NVLink SHARP (multicast) is left off: not every machine/driver offers it.
+_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+def _run_on_gpus(script: str, *args: str) -> str:
+    result = run_torchrun(SCRIPTS / script, list(args), nproc=2, timeout_s=600, env=_NCCL_ENV)
+    print(result.stdout)
+    assert result.returncode == 0, f"{script} failed (rc {result.returncode}):\n{result.stdout}"
+    return result.stdout
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_sync_batchnorm_matches_torch_sync_batchnorm():
+    assert "[sync_bn_check] PASS" in _run_on_gpus("sync_bn_check.py")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_sync_batchnorm_matches_concatenated_batch_oracle():
+    assert "[oracle_check] PASS" in _run_on_gpus("oracle_check.py", "--device", "cuda")
 
 
 # --------------------------------------------------------------------------- 2-GPU benchmark

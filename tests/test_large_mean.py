@@ -1,6 +1,6 @@
 """Model-level large-mean statistics on every GEMM path (GPU with the epifuse kernels).
 
-tests/test_gpu_models.py::test_large_mean_statistics covers IEEE fp32 only,
+tests/test_head.py::test_large_mean_statistics covers IEEE fp32 only,
 i.e. the cuBLAS + separate statistics pass; the TF32, bf16 and fp16 GEMMs
 compute the column statistics in their epilogues (EVT, fp64 sums of the fp32
 accumulator). Here each path's running variance, when the columns' mean

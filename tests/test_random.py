@@ -4,8 +4,8 @@ Each case is one seed; everything (problem, sizes, dtype/precision, mode, scale 
 momentum, eps, input distribution, offsets) is drawn from it, and the seed is part of the
 test id and of every failure message:
 
-    pytest tests/test_gpu_random.py -k case0042          # replay one short case
-    pytest tests/test_gpu_random.py --long -k long0042   # replay one long case
+    pytest tests/test_random.py -k case0042          # replay one short case
+    pytest tests/test_random.py --long -k long0042   # replay one long case
 
 Short run: 200 cases, mostly tiny (runs with the normal GPU suite). Long run: 2000 cases with
 bigger sizes, only with ``--long`` or EPIFUSE_LONG_TESTS=1.
@@ -158,7 +158,7 @@ def run_case(cfg: dict, label: str) -> None:
     init_stats = [new.bn.running_mean.clone(), new.bn.running_var.clone()]
     tol = ORACLE_TOL[kind]
     flag = "--long " if label.startswith("long") else ""
-    replay = f"replay: pytest tests/test_gpu_random.py {flag}-k {label}"
+    replay = f"replay: pytest tests/test_random.py {flag}-k {label}"
     amps = []
 
     def check(name, got, want, oracle, factor=1.0):

@@ -4,9 +4,11 @@ ModelNew against PyTorch eager and torch.compile.
 Problems 84 (gemm_bn_scale_softmax) and 39 (gemm_scale_bn) at their KernelBench sizes (and 84
 at the original small size): train and eval forwards and training steps, in fp32 with TF32 off
 ('fp32-ieee'), in 3xTF32 against PyTorch's IEEE fp32 ('fp32-3xtf32') and with TF32 on
-('fp32-tf32'), bf16 and fp16; our GEMM alone; the host time of a small-batch forward; our row
-softmax against torch.softmax and the copy bandwidth. Prints a table and writes bench.json
-(after every configuration: --resume measures only what is missing), Markdown and PNG charts.
+('fp32-tf32'), bf16 and fp16, and fp32 models under torch.autocast to bf16 and fp16 ('amp-bf16',
+'amp-fp16'); with each time the peak memory of one call; our GEMM alone; the host time of a
+small-batch forward; our row softmax against torch.softmax and the copy bandwidth. Prints a
+table and writes bench.json (after every configuration: --resume measures only what is missing),
+Markdown and PNG charts.
 
 `--device cpu` is a dry run at tiny sizes that tests the plumbing; without a GPU the default
 device falls back to it, with a note. Problems, dtypes and precisions are spelled as for
@@ -116,7 +118,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     sel = cli.selection(args, default_dtypes=cli.DTYPE_ORDER,
                         default_fp32_precisions=cli.PRECISION_ORDER)
     args.problems = list(sel.problems)
-    args.dtypes = [c.name for c in sel.columns]  # fp32-<precision>, bf16, fp16: DTYPES' keys
+    args.dtypes = [c.name for c in sel.columns]  # fp32-<prec.>, bf16, fp16, amp-*: DTYPES' keys
     return args
 
 
@@ -191,7 +193,8 @@ def _summary(r: dict) -> str:
         f"{b} {report.fmt_ms(report.ms(r, b))} ms ({report.fmt_x(report.speedup(r, b))})"
         for b in ("eager", "compile")]
     path = r["path"] if r["path"] in (None, "fused") else f"reference: {r['path']}"
-    return ", ".join(parts) + f"; path {path}"
+    peaks = "/".join(report.fmt_mib(report.peak_mib(r, i)) for i in ("ours", "eager", "compile"))
+    return ", ".join(parts) + f"; path {path}; peak MiB ours/eager/compile {peaks}"
 
 
 def _host_line(r: dict) -> str:

@@ -8,14 +8,22 @@ On the KernelBench shapes' forwards also ``gemm`` (our GEMM op alone: gemm_colst
 gemm_affine in eval) and ``torch_mm`` (torch.mm(x, W.T), cuBLAS on CUDA). All are built from one
 seeded state_dict with running statistics primed from one batch, so parameters match exactly.
 "train"/"eval" time forwards under torch.no_grad(); "train-step" times a training-mode forward
-plus its backward: x requires grad, gradients are set to None before each step, and the upstream
-gradient is a fixed random g per input, applied as y.backward(g) (the gradients of
-(y * g).sum() without timing that stand-in loss). Errors are measured against a float64 twin
-(same rounded parameters) on fresh copies: of the output, or of a step's dX and dW.
+plus its backward: x requires grad, gradients are set to None and the parameters' versions bumped
+before each step (as an optimizer's update would), and the upstream gradient is a fixed random g
+per input, applied as y.backward(g) (the gradients of (y * g).sum() without timing that stand-in
+loss). Errors are measured against a float64 twin (same rounded parameters) on fresh copies: of
+the output, or of a step's dX and dW.
 
-Results are plain dicts, the rows of bench.json. A new per-implementation column (peak memory)
-goes into ``run_case``'s row and ``report.MODEL_COLUMNS``; a new column of the dtype axis
-(autocast) is one more ``DTYPES`` entry whose ``context`` enters it.
+The autocast columns (amp-bf16, amp-fp16) keep parameters and inputs in fp32 and enter
+torch.autocast around every call's forward (a step's backward runs after the region, as PyTorch
+recommends; torch.compile(Model) is called inside the region), at torch's default fp32 matmul
+precision. After the timed calls, one more un-timed call of each implementation measures its peak
+memory: the most it allocated above what was allocated before it (``timing.peak_memory``).
+
+Results are plain dicts, the rows of bench.json. A new per-implementation column goes into
+``run_case``'s row and ``report.MODEL_COLUMNS`` (as the peak memory did); a new column of the dtype
+axis is one more ``DTYPES`` entry, whose ``context`` (around all of a measurement) or ``amp_calls``
+(around each call: the autocast columns) enters it.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from epifuse.head import fast_path_reason
 from epifuse.precision import resolve_precision
 
 from .timing import (Settings, l2_flush, measure, measure_host_checked, measure_rounds,
-                     rotation_count, to_dict)
+                     peak_memory, rotation_count, to_dict)
 
 SEED = 0
 IMPLS = ("ours", "eager", "compile")
@@ -43,13 +51,34 @@ IMPLS = ("ours", "eager", "compile")
 
 @dataclass(frozen=True)
 class DTypeSpec:
-    """One dtype column: tensor dtype, ModelNew's ``precision``, and torch's fp32 matmul
-    precision for the PyTorch baselines (eager and compile)."""
+    """One dtype column: tensor dtype, ModelNew's ``precision``, torch's fp32 matmul precision
+    for the PyTorch baselines (eager and compile), and for an autocast column torch.autocast's
+    dtype (``dtype`` is then float32: the parameters' and inputs')."""
 
     name: str
     dtype: torch.dtype
     precision: Optional[str]
     torch_precision: str
+    autocast: Optional[torch.dtype] = None
+
+    def amp(self, device_type: str) -> contextlib.AbstractContextManager:
+        """torch.autocast(device_type, dtype) for an autocast column; else nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=self.autocast)
+
+    def amp_calls(self, fn: Callable, device_type: str) -> Callable:
+        """``fn`` with an autocast region of its own around each call (an autocast column), as
+        a training loop enters one per step: torch caches its casts of the weights only within
+        a region, so one region around all timed calls would time eager with a cast weight."""
+        if self.autocast is None:
+            return fn
+
+        def call(x):
+            with self.amp(device_type):
+                return fn(x)
+
+        return call
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
@@ -71,6 +100,10 @@ DTYPES = {
     "fp32-tf32": DTypeSpec("fp32-tf32", torch.float32, "tf32", "high"),
     "bf16": DTypeSpec("bf16", torch.bfloat16, None, "highest"),
     "fp16": DTypeSpec("fp16", torch.float16, None, "highest"),
+    # torch.autocast over fp32 models and inputs, at PyTorch's default matmul precision (as a
+    # user has it); ModelNew(precision=None), whose GEMMs run in the autocast dtype.
+    **{name: DTypeSpec(name, torch.float32, None, "highest", autocast=dtype)
+       for name, dtype in cli.AUTOCAST_DTYPES.items()},
 }
 KB_REFERENCE = "fp32-ieee"  # the KernelBench reference: eager PyTorch, fp32, no TF32
 MODES = ("train", "eval", "train-step")
@@ -145,8 +178,9 @@ def build_plan(problems_: list[int], dtypes: list[str], modes: list[str], *, com
                dry: bool, host_time: bool = True) -> Plan:
     """What to run, in order: fp32-ieee first for each shape and mode, so that the KernelBench
     reference is measured before the columns compared with it. The default GPU plan is 3 shapes
-    x 3 modes x 5 columns = 45 cases (3 timings each, and the GEMM alone and torch.mm on the 2
-    KernelBench shapes' forwards); torch.compile's 45 compilations dominate its time."""
+    x 3 modes x 7 columns = 63 cases (3 timings each, and the GEMM alone and torch.mm on the 2
+    KernelBench shapes' forwards but for the autocast columns, whose GEMM is the 16-bit one of
+    the bf16 and fp16 columns); torch.compile's 63 compilations dominate its time."""
     plan = Plan()
     ordered = sorted(dtypes, key=lambda d: d != KB_REFERENCE)
     shapes = [s for p in problems_ for s in problem_shapes(p, dry)]
@@ -164,7 +198,8 @@ def build_plan(problems_: list[int], dtypes: list[str], modes: list[str], *, com
                     else "not run (sweep point; add --sweep-compile)")
             for d in ordered:
                 case = Case(shape, DTYPES[d], mode, compile=timed, compile_note=note,
-                            gemm_alone=shape.tag == "kernelbench" and mode != TRAIN_STEP)
+                            gemm_alone=shape.tag == "kernelbench" and mode != TRAIN_STEP
+                            and DTYPES[d].autocast is None)
                 if case.training and shape.m < 2:
                     case = Case(shape, DTYPES[d], mode, compile=timed, compile_note=note,
                                 skip="BatchNorm training needs a batch of at least 2 rows")
@@ -246,17 +281,33 @@ def input_bytes(case: Case) -> int:
     return (s.m * s.k + (s.m * s.n if case.mode == TRAIN_STEP else 0)) * case.spec.dtype.itemsize
 
 
-def make_step(model: torch.nn.Module, forward: Callable) -> Callable:
-    """One training step of ``forward`` (``model`` or its torch.compile wrapper)."""
+def make_step(model: torch.nn.Module, forward: Callable, *,
+              new_weights: bool = False) -> Callable:
+    """One training step of ``forward`` (``model`` or its torch.compile wrapper, possibly in an
+    autocast region of its own: the backward then runs outside it). ``new_weights``: bump every
+    parameter's version counter first, as the optimizer's in-place update between two steps
+    would. The benchmark runs no optimizer, so without it the weights never change and ModelNew,
+    which keeps a weight's 16-bit cast (autocast) or 3xTF32 split while the weight's version is
+    unchanged, would reuse them across steps, while eager's autocast casts the weight again in
+    every region: a saving no training run sees. increment_version launches no kernel (an
+    in-place ``p.add_(0)`` under no_grad would bump it too, but would also time a pass over the
+    weight). The step's ``release(pair)`` drops the gradients it leaves (for ``peak_memory``)."""
     params = [p for p in model.parameters() if p.requires_grad]
+
+    def release(pair) -> None:
+        pair[0].grad = None  # zero_grad(set_to_none=True) without walking the module tree
+        for p in params:
+            p.grad = None
 
     def step(pair) -> None:
         x, g = pair
-        x.grad = None  # zero_grad(set_to_none=True) without walking the module tree
-        for p in params:
-            p.grad = None
+        release(pair)
+        if new_weights:
+            for p in params:
+                torch.autograd.graph.increment_version(p)
         forward(x).backward(g)
 
+    step.release = release
     return step
 
 
@@ -273,14 +324,19 @@ def error_stats(out: torch.Tensor, ref64: torch.Tensor) -> dict:
             "finite": True}
 
 
-def errors(model: torch.nn.Module, x, ref64) -> dict[str, dict]:
-    """Errors of a forward's output (key ""), or of a step's dX and dW (keys "dx", "dw")."""
+def errors(model: torch.nn.Module, x, ref64,
+           amp: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+           ) -> dict[str, dict]:
+    """Errors of a forward's output (key ""), or of a step's dX and dW (keys "dx", "dw"); the
+    forward inside ``amp()`` (an autocast region), a step's backward after it."""
     if not isinstance(x, tuple):
-        with torch.no_grad():
+        with torch.no_grad(), amp():
             return {"": error_stats(model(x), ref64)}
     x, g = x
     x = x.detach().clone().requires_grad_()
-    model(x).backward(g)
+    with amp():
+        y = model(x)
+    y.backward(g)
     got = {"dx": x.grad, "dw": model.gemm.weight.grad}
     missing = [k for k, v in got.items() if v is None]
     if missing:
@@ -323,6 +379,7 @@ def new_row(case: Case) -> dict:
             "gemm_alone": case.gemm_alone,
             "flops": s.flops * (3 if case.mode == TRAIN_STEP else 1),  # a step: fwd, dX, dW
             "path": None, "timings_ms": {}, "failures": {}, "errors_vs_fp64": {},
+            "peak_mib": {}, "peak_ours_vs_eager": None,
             "kb_reference_ms": None, "gemm_op": None, "wall_s": 0.0}
 
 
@@ -342,7 +399,8 @@ class Runner:
 
     def _callables(self, case: Case, state: dict, impls) -> dict:
         """What one timed call of each implementation runs (or why it cannot): a forward of the
-        model or of its torch.compile wrapper, or a training step of it."""
+        model or of its torch.compile wrapper (in an autocast region per call for an autocast
+        column), or a training step of it (bumping the weights' versions: see make_step)."""
         fns = {}
         for impl in impls:
             try:
@@ -350,14 +408,17 @@ class Runner:
                 if impl == "compile":
                     torch._dynamo.reset()  # a fresh cache: no recompile limit, no stale policy
                     fn = torch.compile(model)
-                fns[impl] = make_step(model, fn) if case.mode == TRAIN_STEP else fn
+                fn = case.spec.amp_calls(fn, self.device.type)
+                fns[impl] = (make_step(model, fn, new_weights=True) if case.mode == TRAIN_STEP
+                             else fn)
             except Exception as e:  # noqa: BLE001 -- any failure becomes a table entry
                 fns[impl] = e
         return fns
 
     def _measure(self, case: Case, inputs: list, row: dict, fns: dict) -> None:
         """``fns`` in interleaved rounds, under the case's matmul policy (and no_grad for a
-        forward); each implementation's time or failure goes into ``row``."""
+        forward), then one more un-timed call of each for its peak memory (on CUDA); each
+        implementation's time, peak or failure goes into ``row``."""
         for impl, fn in list(fns.items()):
             if isinstance(fn, Exception):
                 self.failed(row, impl, fns.pop(impl))
@@ -366,11 +427,19 @@ class Runner:
             if case.mode != TRAIN_STEP:
                 stack.enter_context(torch.no_grad())
             timings = measure_rounds(fns, inputs, self.device, self.settings)
-        for impl, t in timings.items():
-            if isinstance(t, Exception):
-                self.failed(row, impl, t)
-            else:
+            for impl, t in timings.items():
+                if isinstance(t, Exception):
+                    self.failed(row, impl, t)
+                    continue
                 row["timings_ms"][impl] = to_dict(t)
+                try:  # warmed up: its caches and workspaces exist, as in a steady state
+                    peak = peak_memory(fns[impl], inputs[0], self.device,
+                                       getattr(fns[impl], "release", None))
+                except Exception as e:  # noqa: BLE001
+                    self.failed(row, f"memory:{impl}", e)
+                else:
+                    if peak is not None:
+                        row["peak_mib"][impl] = peak / 2**20
         fns.clear()
         free_memory(self.device)
 
@@ -384,7 +453,8 @@ class Runner:
             inputs = make_inputs(case, device, rotation_count(input_bytes(case), device),
                                  seed=SEED + 1000)
             x0 = inputs[0][0] if case.mode == TRAIN_STEP else inputs[0]
-            reason = fast_path_reason(build(case, state, device, new=True), x0)
+            with case.spec.amp(device.type):
+                reason = fast_path_reason(build(case, state, device, new=True), x0)
             row["path"] = "fused" if reason is None else reason
         except Exception as e:  # noqa: BLE001 -- e.g. out of memory for the inputs
             row["failures"].update({impl: describe(e) for impl in IMPLS})
@@ -427,6 +497,9 @@ class Runner:
                 self.kb[key] = (ref["timings_ms"].get("eager") or {}).get("median_ms")
                 free_memory(device)
             row["kb_reference_ms"] = self.kb[key]
+        peaks = row["peak_mib"]
+        if peaks.get("ours") is not None and peaks.get("eager"):
+            row["peak_ours_vs_eager"] = peaks["ours"] / peaks["eager"]
         row.pop("_label")
         row["wall_s"] = round(time.perf_counter() - t0, 2)
         return row
@@ -440,7 +513,8 @@ class Runner:
                 ref = reference64(case, state, self.device, x)
                 for impl in ("ours", "eager"):
                     try:
-                        got = errors(build(case, state, self.device, new=impl == "ours"), x, ref)
+                        got = errors(build(case, state, self.device, new=impl == "ours"), x, ref,
+                                     lambda: case.spec.amp(self.device.type))
                         row["errors_vs_fp64"].update(
                             {f"{impl}:{k}" if k else impl: v for k, v in got.items()})
                     except Exception as e:  # noqa: BLE001
@@ -461,9 +535,10 @@ class Runner:
         for impl in ("ours", "eager"):
             try:
                 model = build(case, state, self.device, new=impl == "ours")
+                call = case.spec.amp_calls(model, self.device.type)
                 with case.spec.context(), torch.no_grad():
-                    row["timings_us"][impl] = measure_host_checked(lambda: model(x), self.device)
-                del model
+                    row["timings_us"][impl] = measure_host_checked(lambda: call(x), self.device)
+                del model, call
             except Exception as e:  # noqa: BLE001
                 self.failed(row, impl, e)
         del row["_label"]

@@ -175,9 +175,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0].split(": ", 1)[1])
     p.add_argument("--nproc", type=int, default=2, help="processes = GPUs (default 2)")
     p.add_argument("--problems", type=int, nargs="+", choices=PROBLEMS, default=list(PROBLEMS))
-    p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DEFAULT_DTYPES),
-                   help="dtype columns as in python -m benchmarks (default: "
-                        + " ".join(DEFAULT_DTYPES) + ")")
+    p.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES),
+                   choices=[d for d, spec in DTYPES.items() if spec.autocast is None],
+                   help="dtype columns as in python -m benchmarks, but for the autocast ones "
+                        "(default: " + " ".join(DEFAULT_DTYPES) + ")")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

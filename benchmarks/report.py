@@ -1,13 +1,19 @@
 """The report: text and Markdown tables from bench.json's rows, the legend, the environment, and
 the PNG charts (matplotlib, optional).
 
-Table columns are lists of (header, cell) pairs: a column the next measurements add (peak memory
-per implementation) is one more pair in ``MODEL_COLUMNS``.
+``python -m benchmarks.report BENCH_JSON --markdown PATH`` writes the report of a bench.json again
+without measuring anything (e.g. BENCHMARKS.md from a GPU run's bench.json, on another machine).
+
+Table columns are lists of (header, cell) pairs: a column the next measurements add is one more
+pair in ``MODEL_COLUMNS`` (as the peak memory per implementation was). Rows of the autocast columns
+(amp-bf16, amp-fp16) get tables of their own, after the forwards' and the steps'.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -17,7 +23,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .cases import PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
+from .cases import DTYPES, PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
 
 # --------------------------------------------------------------------------- rows and cells
 
@@ -42,6 +48,26 @@ def tflops(row: dict, impl: str = "ours") -> Optional[float]:
     t = ms(row, impl)
     flops = 2.0 * row["M"] * row["K"] * row["N"] if impl in ("gemm", "torch_mm") else row["flops"]
     return flops / (t * 1e-3) / 1e12 if t else None
+
+
+def peak_mib(row: dict, impl: str) -> Optional[float]:
+    """The implementation's peak memory in MiB (rows from before it was measured: None)."""
+    return (row.get("peak_mib") or {}).get(impl)
+
+
+def peak_ratio(row: dict) -> Optional[float]:
+    """Peak memory of ours / eager's."""
+    ours, eager = peak_mib(row, "ours"), peak_mib(row, "eager")
+    return ours / eager if ours is not None and eager else None
+
+
+def is_autocast(row: dict) -> bool:
+    spec = DTYPES.get(row["dtype"])
+    return spec is not None and spec.autocast is not None
+
+
+def fmt_mib(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 1 else f"{x:.2f}"
 
 
 def fmt_ms(x: Optional[float]) -> str:
@@ -112,6 +138,16 @@ def _path(row: dict, notes: Notes) -> str:
     return "reference " + notes.ref(f"ModelNew ran its reference path: {row['path']}")
 
 
+def _peaks(row: dict, notes: Notes) -> str:
+    """ours / eager / compile, in MiB; an implementation that was not timed has none."""
+    def one(impl: str) -> str:
+        failure = row["failures"].get(f"memory:{impl}")
+        if failure is not None:
+            return "n/a " + notes.ref(f"peak memory of {impl}: {failure}")
+        return fmt_mib(peak_mib(row, impl))
+    return " / ".join(one(impl) for impl in ("ours", "eager", "compile"))
+
+
 def _err(impl: str, key: str, what: str):
     def cell(row: dict, notes: Notes) -> str:
         failure = row["failures"].get(f"accuracy:{impl}")
@@ -135,6 +171,8 @@ MODEL_COLUMNS = [
     ("vs eager", lambda r, n: fmt_x(speedup(r, "eager"))),
     ("vs compile", lambda r, n: fmt_x(speedup(r, "compile"))),
     ("vs KB ref", lambda r, n: fmt_x(speedup(r, "kb"))),
+    ("peak MiB ours / eager / compile", _peaks),
+    ("peak ours / eager", lambda r, n: fmt_num(peak_ratio(r), 2)),
 ]
 FORWARD_ERRORS = [("err ours (rel / max)", _err("ours", "ours", "error check")),
                   ("err eager (rel / max)", _err("eager", "eager", "error check"))]
@@ -237,6 +275,10 @@ def split(rows: Sequence[dict]) -> tuple[list[dict], list[dict], list[dict]]:
 
 FORWARD_TITLE = "ModelNew vs PyTorch (median ms per forward)"
 STEP_TITLE = "Training step (forward + backward): ModelNew vs PyTorch (median ms per step)"
+AMP_FORWARD_TITLE = ("Autocast forwards (fp32 parameters and inputs under torch.autocast): "
+                     "ModelNew vs PyTorch, median ms per forward")
+AMP_STEP_TITLE = ("Autocast training steps (forward under torch.autocast, backward after it): "
+                  "ModelNew vs PyTorch, median ms per step")
 HOST_TITLE = "Host time per forward (median us of CPU time per Python call)"
 
 
@@ -245,10 +287,11 @@ def tables(env: dict, rows, softmax, copy, host=()) -> tuple[list[tuple], Notes]
     notes = Notes()
     forwards, steps, sweep = split(rows)
     out = []
-    if forwards:
-        out.append((FORWARD_TITLE, *_model_table(forwards, notes, False)))
-    if steps:
-        out.append((STEP_TITLE, *_model_table(steps, notes, True)))
+    for title, part, step in ((FORWARD_TITLE, forwards, False), (STEP_TITLE, steps, True),
+                              (AMP_FORWARD_TITLE, forwards, False), (AMP_STEP_TITLE, steps, True)):
+        part = [r for r in part if is_autocast(r) == title.startswith("Autocast")]
+        if part:
+            out.append((title, *_model_table(part, notes, step)))
     if host:
         out.append((HOST_TITLE, *_host_table(host, notes)))
     if sweep:
@@ -291,9 +334,31 @@ STEP_LEGEND = (
     "(dX is computed, as for a head inside a network), all parameters require grad, and their "
     "gradients (and x's) are set to None before each step; the upstream gradient is a fixed "
     "random g per input, applied as y.backward(g) (the gradients of (y * g).sum(), without "
-    "timing that stand-in loss). Its TFLOP/s count 3 GEMMs (forward, dX, dW); 'vs KB ref' "
+    "timing that stand-in loss); each step first bumps every parameter's version counter "
+    "(torch.autograd.graph.increment_version: no kernel), as an optimizer's in-place update "
+    "would, so that no implementation reuses a cast or split of a weight that in training "
+    "changes every step (ModelNew keeps those only while the weight is unchanged). Its TFLOP/s "
+    "count 3 GEMMs (forward, dX, dW); 'vs KB ref' "
     "divides eager fp32-ieee's step. err dX / err dW = the input's and gemm.weight's gradients "
     "against a float64 step with the same (rounded) parameters, x and g.")
+
+
+AMP_LEGEND = (
+    "Autocast (amp-bf16, amp-fp16): parameters and inputs in fp32 (x = torch.rand, as "
+    "KernelBench's), every timed call entering its own torch.autocast('{device}', dtype=bfloat16"
+    " / float16) region around the forward (torch.compile(Model) compiled once and called inside "
+    "the region), a step's backward after the region exits, as PyTorch recommends; torch's fp32 "
+    "matmul precision is its default ('highest'); ModelNew(precision=None). Errors against the "
+    "float64 twin of the fp32 parameters; dW in fp32 (the parameters' dtype). In forwards "
+    "ModelNew keeps the weight's 16-bit cast while the weight is unchanged (eager casts it in "
+    "every region); steps bump the weights' versions, so there it casts every step.")
+MEMORY_LEGEND = (
+    "peak MiB = the most memory one call allocated above what was allocated before it "
+    "(torch.cuda.max_memory_allocated after reset_peak_memory_stats, minus memory_allocated "
+    "before the call), in one more, un-timed call after the timed ones (caches and workspaces "
+    "warmed up): output, saved activations, gradients and workspaces count; parameters, inputs "
+    "and what stays allocated between calls (in forwards, ModelNew's kept 16-bit cast or "
+    "3xTF32 split of an unchanged weight) do not. 'peak ours / eager' is their ratio.")
 
 
 def legend(env: dict, rows: Sequence[dict], host=()) -> str:
@@ -308,6 +373,10 @@ def legend(env: dict, rows: Sequence[dict], host=()) -> str:
             "forward of the same (rounded) parameters and input.")
     if any(r["mode"] == TRAIN_STEP for r in rows):
         text += " " + STEP_LEGEND
+    if any(is_autocast(r) for r in rows):
+        text += " " + AMP_LEGEND.format(device="cuda" if on_cuda(env) else "cpu")
+    text += " " + (MEMORY_LEGEND if on_cuda(env) else
+                   "peak MiB: measured on CUDA only (n/a in a CPU dry run).")
     if host:
         how = ("time.perf_counter around each Python call of a forward (under torch.no_grad()) "
                "while a spin kernel queued ahead keeps the GPU busy, so calls only queue their "
@@ -504,3 +573,41 @@ def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None
         except Exception as e:  # noqa: BLE001 -- a chart must never lose the numbers
             log(f"chart {name} failed: {type(e).__name__}: {e}")
     return paths
+
+
+# --------------------------------------------------------------------------- a report again
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The text report of a bench.json on stdout, and its Markdown report to --markdown (charts,
+    with matplotlib, into <name>-charts/ beside it, as ``python -m benchmarks --markdown``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.report",
+        description="Write the report of a benchmark run's bench.json again, measuring nothing.")
+    p.add_argument("bench_json", help="a bench.json written by python -m benchmarks")
+    p.add_argument("--markdown", metavar="PATH", help="write the Markdown report to PATH "
+                                                       "(e.g. BENCHMARKS.md)")
+    args = p.parse_args(argv)
+    with open(args.bench_json) as f:
+        doc = json.load(f)
+    env, rows, host = doc["env"], doc["cases"], doc.get("host_time") or []
+    softmax, copy = doc.get("softmax") or [], doc.get("copy_bandwidth")
+    if not doc.get("complete", True):
+        print(f"note: {args.bench_json} is from a run that did not finish", file=sys.stderr)
+    print(text_report(env, rows, softmax, copy, host))
+    if args.markdown:
+        path = os.path.abspath(args.markdown)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        chart_dir = os.path.splitext(path)[0] + "-charts"
+        os.makedirs(chart_dir, exist_ok=True)
+        charts = draw(chart_dir, env, rows, softmax, copy, lambda m: print(m, file=sys.stderr))
+        if not os.listdir(chart_dir):
+            os.rmdir(chart_dir)
+        with open(path, "w") as f:
+            f.write(markdown_report(env, doc.get("settings") or {}, rows, softmax, copy, charts,
+                                    path, host))
+        print(f"wrote: {', '.join([args.markdown] + charts)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

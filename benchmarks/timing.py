@@ -17,6 +17,9 @@ one input suffices. Model calls do not, because a flush kernel queued before a c
 the host issues that call and hides up to its own duration of host time: the host-bound rows (the
 128x1024->512 forwards, problem 84's 16-bit steps) would no longer compare with earlier runs.
 
+Peak memory (``peak_memory``): one more call after the timed ones (so caches and workspaces
+exist, as in a steady state), between the allocator's peak statistics; not timed.
+
 Host time (``measure_host``): ``time.perf_counter`` around each Python call while a spin kernel
 (``torch.cuda._sleep``) queued first keeps the GPU busy, so calls only queue their kernels. An
 event recorded behind the spin kernel still pending after a round shows the GPU stayed busy (a
@@ -160,6 +163,28 @@ def measure(fn: Callable[[Any], object], inputs: Sequence[Any], device: torch.de
     if isinstance(result, Exception):
         raise result
     return result
+
+
+def peak_memory(fn: Callable[[Any], object], x: Any, device: torch.device,
+                release: Optional[Callable[[Any], None]] = None) -> Optional[int]:
+    """Bytes one call ``fn(x)`` allocates at its peak above what was allocated before it (the
+    caching allocator's statistics: ``max_memory_allocated`` after ``reset_peak_memory_stats``,
+    minus ``memory_allocated`` before the call); its output counts, what stays allocated from
+    earlier calls (parameters, inputs, kept caches) does not. ``release(x)`` first drops what an
+    earlier call left for this one to free (a step's gradients), so that the baseline holds none
+    of it. None on the CPU."""
+    if device.type != "cuda":
+        return None
+    if release is not None:
+        release(x)
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = fn(x)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del out
+    return peak
 
 
 def to_dict(m: Measurement) -> dict:

@@ -5,6 +5,8 @@
 #   scripts/bench.sh --quick --no-compile    # a fast smoke run
 #   scripts/bench.sh --device cpu --quick    # dry run without a GPU (tiny sizes)
 #   scripts/bench.sh --markdown BENCHMARKS.md
+#   scripts/bench.sh --problems 84 39 --dtype amp   # torch.autocast columns (amp-bf16, amp-fp16)
+#   python -m benchmarks.report bench-out/bench.json --markdown BENCHMARKS.md   # report again
 #   scripts/bench.sh --help                  # all options
 #
 # Assumes epifuse was built (and installed) by scripts/build.sh. The working

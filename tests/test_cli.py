@@ -33,10 +33,15 @@ def _bench(*argv):
     [("--dtype", "fp32", "--precision", "ieee"), ("--dtype", "float32-ieee")],
     [("--dtype", "fp32", "--precision", "3xtf32"), ("--dtype", "fp32", "--precisions", "highest"),
      ("--dtype", "float32-highest")],
-    [("--dtype", "all"), ("--dtypes", "fp32", "bf16", "fp16"), ("--dtypes", "fp32,bf16,fp16")],
+    [("--dtype", "amp"), ("--dtypes", "amp-bf16", "amp-fp16"), ("--dtype", "amp-bfloat16,amp-half"),
+     ("--dtype", "amp", "amp-bf16")],
+    [("--dtype", "amp-bf16"), ("--dtype", "amp-bfloat16")],
+    [("--dtype", "all"), ("--dtypes", "fp32", "bf16", "fp16", "amp"),
+     ("--dtypes", "fp32,bf16,fp16,amp-bf16,amp-fp16")],
     [("--problem", "84"), ("--problems", "84"), ("--problem", "gemm_bn_scale_softmax")],
     [(), ("--problem", "all"), ("--problems", "84,39"), ("--problem", "84", "39")],
-], ids=["bf16", "fp16", "tf32", "ieee", "3xtf32", "all-dtypes", "problem-84", "all-problems"])
+], ids=["bf16", "fp16", "tf32", "ieee", "3xtf32", "amp", "amp-bf16", "all-dtypes", "problem-84",
+        "all-problems"])
 def test_spellings_select_the_same_runs_in_both_clis(spellings):
     mains = [_main(*s) for s in spellings]
     benches = [_bench(*s) for s in spellings]
@@ -47,6 +52,8 @@ def test_spellings_select_the_same_runs_in_both_clis(spellings):
     assert list(main.problems) == problems
     if any(word.startswith("--dtype") for word in spellings[0]):
         assert {c.torch_dtype for c in main.columns} == {DTYPES[d].dtype for d in dtypes}
+        assert ({c.autocast_dtype for c in main.columns}
+                == {DTYPES[d].autocast for d in dtypes})
         if all(c.precision for c in main.columns if c.dtype == "fp32"):
             assert {c.name for c in main.columns} == set(dtypes)  # bench columns are Column names
 
@@ -73,11 +80,27 @@ def test_bench_columns_are_the_bench_configs():
                                                      "3xtf32", "tf32"]),
                                 default_dtypes=["fp32"], default_fp32_precisions=[None]).columns:
         assert DTYPES[column.name].dtype == column.torch_dtype
+        assert DTYPES[column.name].autocast == column.autocast_dtype
+
+
+def test_all_includes_the_autocast_columns():
+    """``all`` is every column: fp32, bf16, fp16, and fp32 under autocast to bf16 and fp16."""
+    assert [c.name for c in _main("--dtype", "all").columns] == [
+        "fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"]
+    amp = _main("--dtype", "amp").columns
+    assert [(c.torch_dtype, c.autocast_dtype, c.precision) for c in amp] == [
+        (torch.float32, torch.bfloat16, None), (torch.float32, torch.float16, None)]
+    assert _bench("--dtype", "amp")[1] == ["amp-bf16", "amp-fp16"]
+    # --precision is for plain fp32: the autocast columns keep torch's matmul precision.
+    assert _bench("--dtype", "amp-fp16", "fp32", "--precision", "tf32")[1] == [
+        "amp-fp16", "fp32-tf32"]
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--dtype", "double"], "unknown dtype 'double'"),
     (["--dtype", "bf16-tf32"], "a precision applies to fp32 only"),
+    (["--dtype", "amp-fp32"], "autocast runs in bf16 or fp16"),
+    (["--dtype", "amp-tf32"], "autocast runs in bf16 or fp16"),
     (["--precision", "fp32"], "unknown precision 'fp32'"),
     (["--problems", "84,12"], "unknown problem '12'"),
     (["--problem", ","], "empty value"),

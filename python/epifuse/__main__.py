@@ -7,12 +7,16 @@ ran, and time both forwards. Exit status 1 on any mismatch.
 
 On a CUDA machine the problems run at their KernelBench sizes; without a GPU
 the CPU path runs on a small size. Problems, dtypes and precisions are spelled
-as for ``python -m benchmarks`` (see ``epifuse.cli``).
+as for ``python -m benchmarks`` (see ``epifuse.cli``). An autocast column
+(``amp-bf16``, ``amp-fp16``) keeps both models and the input in fp32 and runs
+every forward under ``torch.autocast`` (the device's) to that dtype, held to
+that dtype's tolerance.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -86,7 +90,10 @@ def median_ms(fn: Callable[[], object], iters: int, device: torch.device) -> flo
 
 
 def run_problem(number: int, dtype: torch.dtype, precision: Optional[str], iters: int,
-                device: torch.device, sizes: Optional[tuple[int, int, int]]) -> bool:
+                device: torch.device, sizes: Optional[tuple[int, int, int]],
+                autocast: Optional[torch.dtype] = None) -> bool:
+    """``autocast``: run every forward under torch.autocast(device.type, dtype=autocast), with
+    ``dtype`` (the models' and input's) float32."""
     module = problems.BY_NUMBER[number]
     batch, args = init_inputs(module, sizes)
     torch.manual_seed(0)
@@ -98,20 +105,31 @@ def run_problem(number: int, dtype: torch.dtype, precision: Optional[str], iters
     new.to(device, dtype)
     x = torch.rand(batch, args[0], generator=torch.Generator().manual_seed(1)).to(device, dtype)
 
-    prec = resolve_precision(precision, dtype)
-    tol = _TOLERANCE[prec] if dtype == torch.float32 else _TOLERANCE[dtype]
+    def amp():  # a region per call, as a training loop enters one per step
+        return (torch.autocast(device.type, dtype=autocast) if autocast is not None
+                else contextlib.nullcontext())
+
+    def run(model):
+        with amp():
+            return model(x)
+
+    prec = None if autocast is not None else resolve_precision(precision, dtype)
+    tol = (_TOLERANCE[autocast] if autocast is not None else
+           _TOLERANCE[prec] if dtype == torch.float32 else _TOLERANCE[dtype])
     label = f"problem {number} ({module.__name__.rsplit('.', 1)[-1]}) {batch}x{args[0]}->{args[1]}"
     print(f"{label}: device={device} dtype={str(dtype).removeprefix('torch.')} "
-          f"precision={prec or '-'}")
+          + (f"autocast={str(autocast).removeprefix('torch.')}" if autocast is not None
+             else f"precision={prec or '-'}"))
 
     ok = True
     with torch.no_grad():
         for mode in ("train", "eval"):
             ref.train(mode == "train")
             new.train(mode == "train")
-            reason = fast_path_reason(new, x)
+            with amp():
+                reason = fast_path_reason(new, x)
             path = "fused" if reason is None else f"reference ({reason})"
-            y_new, y_ref = new(x), ref(x)
+            y_new, y_ref = run(new), run(ref)
             checks = [Check("output", rel_error(y_new, y_ref), tol)]
             if mode == "train":
                 checks += [
@@ -120,8 +138,8 @@ def run_problem(number: int, dtype: torch.dtype, precision: Optional[str], iters
                     Check("num_batches_tracked", float(
                         new.bn.num_batches_tracked.item() != ref.bn.num_batches_tracked.item()), 0.0),
                 ]
-            ms_new = median_ms(lambda: new(x), iters, device)
-            ms_ref = median_ms(lambda: ref(x), iters, device)
+            ms_new = median_ms(lambda: run(new), iters, device)
+            ms_ref = median_ms(lambda: run(ref), iters, device)
             for c in checks:
                 ok &= c.ok
             verdict = "OK" if all(c.ok for c in checks) else "MISMATCH"
@@ -165,7 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for number in args.selection.problems:
         for column in args.selection.columns:
             ok &= run_problem(number, column.torch_dtype, column.precision, args.iters, device,
-                              sizes)
+                              sizes, autocast=column.autocast_dtype)
     print("ALL OK" if ok else "MISMATCH: ModelNew disagrees with Model")
     return 0 if ok else 1
 

@@ -4,7 +4,10 @@ One spelling table for both, so a selection typed for one works for the other:
 
 * problems  ``--problem`` / ``--problems``: 84, 39, their names, or ``all``;
 * dtypes    ``--dtype`` / ``--dtypes``: fp32 | float32 | float, bf16 | bfloat16,
-            fp16 | float16 | half, ``all``, or ``fp32-<precision>`` (one fp32 column);
+            fp16 | float16 | half, ``fp32-<precision>`` (one fp32 column), ``amp-bf16`` /
+            ``amp-fp16`` (fp32 models and inputs under ``torch.autocast`` to that dtype; the
+            16-bit names above after ``amp-``), ``amp`` (both), ``all`` (every one: fp32, bf16,
+            fp16, amp-bf16, amp-fp16);
 * precisions ``--precision`` / ``--precisions``: the names of ``epifuse.precision.ALIASES``
             (ours: ieee, 3xtf32, tf32; torch's: highest, high, medium).
 
@@ -31,26 +34,38 @@ DTYPE_ALIASES: Mapping[str, str] = MappingProxyType({
 })
 TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
-DTYPE_ORDER = ("fp32", "bf16", "fp16")
+AMP = "amp"  # torch.autocast columns: fp32 models and inputs, 16-bit GEMMs inside the region
+AMP_ORDER = ("amp-bf16", "amp-fp16")
+AUTOCAST_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
+    {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16})
+DTYPE_ORDER = ("fp32", "bf16", "fp16") + AMP_ORDER  # what ``all`` selects
 PRECISION_ORDER = (_precision.IEEE, _precision.TF32X3, _precision.TF32)
 ALL = "all"
 
 
 @dataclass(frozen=True)
 class Column:
-    """One dtype to run: 16-bit, or fp32 with a precision (None: follow torch's setting)."""
+    """One dtype to run: 16-bit, fp32 with a precision (None: follow torch's setting), or fp32
+    under torch.autocast ("amp-bf16", "amp-fp16": the matmul precision stays torch's)."""
 
-    dtype: str  # "fp32" | "bf16" | "fp16"
+    dtype: str  # "fp32" | "bf16" | "fp16" | "amp-bf16" | "amp-fp16"
     precision: Optional[str] = None  # canonical; only for fp32
 
     @property
     def name(self) -> str:
-        """``fp32-tf32``, ``fp32`` (precision left to torch), ``bf16``: the bench's column names."""
+        """``fp32-tf32``, ``fp32`` (precision left to torch), ``bf16``, ``amp-bf16``: the bench's
+        column names."""
         return f"{self.dtype}-{self.precision}" if self.precision else self.dtype
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return TORCH_DTYPES[self.dtype]
+        """The dtype of the parameters and inputs (float32 for an autocast column)."""
+        return torch.float32 if self.dtype in AUTOCAST_DTYPES else TORCH_DTYPES[self.dtype]
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        """torch.autocast's dtype for an autocast column; None otherwise."""
+        return AUTOCAST_DTYPES.get(self.dtype)
 
 
 def problem_names() -> dict[int, str]:
@@ -78,14 +93,24 @@ def parse_precision(token: str) -> str:
 
 
 def parse_dtype(token: str) -> list[tuple[str, Optional[str]]]:
-    """``bf16`` -> [("bf16", None)]; ``float32-high`` -> [("fp32", "tf32")]; ``all`` -> 3."""
+    """``bf16`` -> [("bf16", None)]; ``float32-high`` -> [("fp32", "tf32")]; ``amp-bfloat16``
+    -> [("amp-bf16", None)]; ``amp`` -> both autocast columns; ``all`` -> all 5."""
     if token == ALL:
         return [(d, None) for d in DTYPE_ORDER]
+    if token == AMP:
+        return [(d, None) for d in AMP_ORDER]
     name, sep, prec = token.partition("-")
+    if name == AMP and sep:  # amp-<16-bit dtype>, in any of its spellings
+        dtype = f"{AMP}-{DTYPE_ALIASES.get(prec)}"
+        if dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"dtype {token!r}: autocast runs in bf16 or fp16 "
+                             f"({', '.join(AMP_ORDER)}, or {AMP} for both)")
+        return [(dtype, None)]
     dtype = DTYPE_ALIASES.get(name)
     if dtype is None:
         raise ValueError(f"unknown dtype {token!r}; choose from {', '.join(DTYPE_ALIASES)}, "
-                         f"{ALL}, or fp32-<precision> (e.g. fp32-tf32)")
+                         f"{ALL}, fp32-<precision> (e.g. fp32-tf32), {', '.join(AMP_ORDER)} "
+                         f"or {AMP}")
     if not sep:
         return [(dtype, None)]
     if dtype != "fp32":
@@ -128,8 +153,10 @@ def add_selection_arguments(parser: argparse.ArgumentParser, *, default_dtypes: 
                           "or all (space or comma separated; default all)")
     parser.add_argument(
         "--dtype", "--dtypes", dest="dtypes", nargs="+", type=_items(parse_dtype), metavar="D",
-        help="fp32|float32, bf16|bfloat16, fp16|float16|half, all, or fp32-<precision> "
-             f"(e.g. fp32-tf32) (default {default_dtypes})")
+        help="fp32|float32, bf16|bfloat16, fp16|float16|half, fp32-<precision> (e.g. "
+             "fp32-tf32), amp-bf16 or amp-fp16 (fp32 models and inputs, each call under "
+             "torch.autocast to that dtype), amp (both), or all (fp32, bf16, fp16, amp-bf16, "
+             f"amp-fp16) (default {default_dtypes})")
     parser.add_argument(
         "--precision", "--precisions", dest="precisions", nargs="+",
         type=_items(lambda t: [parse_precision(t)]), metavar="P",
@@ -151,7 +178,7 @@ def selection(args: argparse.Namespace, *, default_dtypes: Sequence[str],
     precisions = _flat(args.precisions) or list(default_fp32_precisions)
     columns: list[Column] = []
     for dtype, prec in pairs:
-        if dtype != "fp32":
+        if dtype != "fp32":  # 16-bit, or autocast (torch's matmul precision)
             candidates = [Column(dtype)]
         elif prec is not None:
             candidates = [Column(dtype, prec)]

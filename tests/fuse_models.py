@@ -33,7 +33,9 @@ class Custom(nn.Module):
 
 
 class NearMisses(nn.Module):
-    """Each chain breaks one rule: fuse must leave it (or its softmax) and say why."""
+    """Near misses and edge cases: a Linear feeding two consumers (left, with the reason), an
+    affine-free BatchNorm (fused: weight 1, bias 0), a softmax over the batch (the chain fused, the
+    softmax left with a note)."""
 
     def __init__(self):
         super().__init__()
@@ -47,7 +49,7 @@ class NearMisses(nn.Module):
     def forward(self, x):
         s = self.shared(x)
         a = self.shared_bn(s) + s  # the Linear's output feeds two consumers
-        b = self.plain_bn(self.plain(x))  # BatchNorm without affine
+        b = self.plain_bn(self.plain(x))  # BatchNorm without affine: fuses
         c = torch.softmax(self.cols_bn(self.cols(x)), dim=0)  # softmax over the batch
         return a + b + c
 

@@ -105,7 +105,15 @@ def test_gradients_match_the_modules_cpu(fused_on_cpu, variant, training):
     ref_params = {_head_name(k): v for k, v in ref.named_parameters()}
     new_params = dict(new.named_parameters())
     assert set(new_params) == set(ref_params)
+    batch_stats = training or not VARIANTS[variant][1].get("track_running_stats", True)
     for name, p in new_params.items():
+        if name == "gemm.bias" and batch_stats:
+            # The batch mean cancels the Linear's bias: its gradient is 0 exactly. Eager's is
+            # rounding noise around 0, so hold both to the scale of the weight's gradient.
+            scale = new_params["gemm.weight"].grad.abs().max()
+            assert p.grad.abs().max() <= 1e-5 * scale, name
+            assert ref_params[name].grad.abs().max() <= 1e-5 * scale, name
+            continue
         assert rel_err(p.grad, ref_params[name].grad) < 1e-5, name
     _assert_same_state(new, ref)
 
@@ -130,13 +138,20 @@ def test_fuse_takes_a_projection_mlp_with_an_affine_free_last_batchnorm(fused_on
 
 
 def _oracle_errors(model: nn.Module, twin: nn.Module, x: torch.Tensor, grad: torch.Tensor):
-    """Relative errors vs the float64 twin of the output, dX and every parameter gradient."""
+    """Relative errors vs the float64 twin of the output, dX and every parameter gradient. Under
+    batch statistics the Linear bias's gradient is 0 (the batch mean cancels the bias): its error
+    is measured against the scale of the weight's gradient instead of its own (rounding noise)."""
     xs = [x.clone().requires_grad_(), x.double().requires_grad_()]
     y, y64 = model(xs[0]), twin(xs[1])
     y.backward(grad), y64.backward(grad.double())
     errors = {"out": rel_err(y, y64), "dx": rel_err(xs[0].grad, xs[1].grad)}
+    batch_stats = twin[1].training or not twin[1].track_running_stats
     for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
-        errors[_head_name(name)] = rel_err(p.grad, q.grad)
+        name = _head_name(name)
+        if name == "gemm.bias" and batch_stats:
+            errors[name] = ((p.grad.double() - q.grad).norm() / twin[0].weight.grad.norm()).item()
+        else:
+            errors[name] = rel_err(p.grad, q.grad)
     return y, errors
 
 

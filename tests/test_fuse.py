@@ -82,11 +82,12 @@ def test_near_misses_are_reported_and_left_alone(fused_on_cpu, op_calls):
     original, model, report = _fused_pair(NearMisses)
     reasons = {s.where: s.reason for s in report.skipped}
     assert "2 consumers" in reasons["shared"]
-    assert "affine=False" in reasons["plain -> plain_bn"]
-    assert [(f.where, "dim 0" in f.note) for f in report.fused] == [("cols -> cols_bn", True)]
+    assert "plain -> plain_bn" not in reasons  # an affine-free BatchNorm fuses (weight 1, bias 0)
+    assert [(f.where, "dim 0" in f.note) for f in report.fused] == [
+        ("plain -> plain_bn", False), ("cols -> cols_bn", True)]
     for training in (True, False):
         _run_both(original, model, training)
-    assert op_calls.count("gemm_colstats") == op_calls.count("gemm_affine") == 3
+    assert op_calls.count("gemm_colstats") == op_calls.count("gemm_affine") == 6
     assert "affine_softmax_" not in op_calls  # the dim-0 softmax stayed torch.softmax
     assert "fused cols -> cols_bn" in str(report) and "left  shared" in str(report)
 
@@ -216,8 +217,6 @@ def test_fused_linear_batchnorm_rejects_bad_parts():
         FusedLinearBatchNorm(lin, nn.BatchNorm2d(OUT))
     with pytest.raises(ValueError, match=f"9 features.*out_features={OUT}"):
         FusedLinearBatchNorm(lin, nn.BatchNorm1d(9))
-    with pytest.raises(ValueError, match="affine=True"):
-        FusedLinearBatchNorm(lin, nn.BatchNorm1d(OUT, affine=False))
     with pytest.raises(ValueError, match=r"shape \(1,\) or \(8,\)"):
         FusedLinearBatchNorm(lin, bn, torch.ones(3))
     with pytest.raises(ValueError, match="scale_position"):

@@ -153,7 +153,7 @@ def _reason_cases():
         ("empty", model(), x[:0], "empty"),
         ("float64", model(), x.double(), "dtype"),
         ("mixed-dtype", model().half(), x, "dtype"),
-        ("no-affine", model(**{"bn.affine": False}), x, "affine"),
+        ("half-affine", model(**{"bn.bias": None}), x, "weight without a bias"),
         ("no-running-stats", model(**{"bn.running_mean": None}), x, "running"),
         ("scale-2d", model(scale=(1, OUT)), x, "scale shape"),
         ("scale-odd", model(scale=(3,)), x, "scale shape"),

@@ -1,4 +1,5 @@
-// out = softmax(a[n] * in + c[n]) along each row of an [M, N] matrix (a, c optional).
+// out = softmax(act(a[n] * in + c[n])) along each row of an [M, N] matrix (a, c and the activation
+// optional: activation.cuh).
 //
 // Bandwidth-bound: every element is read once and written once, and a row's max and sum must be
 // known before its first output, so what limits the pass is how many rows each SM has in flight.
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cfloat>
 
+#include "activation.cuh"
 #include "cuda_utils.cuh"
 
 namespace epifuse {
@@ -69,11 +71,13 @@ __device__ __forceinline__ float row_combine(float v, float* slots, int warp_in_
   }
 }
 
-// kVec consecutive elements starting at column col0, converted to fp32, with the affine applied.
+// kVec consecutive elements starting at column col0, converted to fp32, with the affine and the
+// activation applied.
 // Vectorized rows have 16-byte aligned a and c (launch() checks), read as float4.
 template <class T, int kVec>
 __device__ __forceinline__ void load_affine(const T* src, int64_t col0, const float* __restrict__ a,
-                                            const float* __restrict__ c, float* v) {
+                                            const float* __restrict__ c, Activation act,
+                                            float* v) {
   if constexpr (kVec > 1) {
     const Vec16<T> raw = *reinterpret_cast<const Vec16<T>*>(src);
 #pragma unroll
@@ -92,6 +96,10 @@ __device__ __forceinline__ void load_affine(const T* src, int64_t col0, const fl
   } else {
     v[0] = to_float(*src);
     if (a != nullptr) v[0] = __ldg(a + col0) * v[0] + __ldg(c + col0);
+  }
+  if (act.kind != ActivationKind::kNone) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = activate(act, v[j]);
   }
 }
 
@@ -113,7 +121,7 @@ __device__ __forceinline__ void store_scaled(T* dst, const float* e, float inv_s
 template <class T, class O, int kVec, int kElems, int kThreadsPerRow, int kBlock>
 __global__ void __launch_bounds__(kBlock)
 rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
-                  const float* __restrict__ a, const float* __restrict__ c) {
+                  const float* __restrict__ a, const float* __restrict__ c, Activation act) {
   static_assert(kBlock % kThreadsPerRow == 0, "a block holds whole rows");
   constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
   constexpr int kWarpsPerRow = kThreadsPerRow >= 32 ? kThreadsPerRow / 32 : 1;
@@ -136,7 +144,7 @@ rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int6
     const int64_t col0 = (int64_t(i) * kThreadsPerRow + t) * kVec;
     float* v = vals + i * kVec;
     if (row_valid && col0 < N) {  // kVec > 1 implies N % kVec == 0
-      load_affine<T, kVec>(src + col0, col0, a, c, v);
+      load_affine<T, kVec>(src + col0, col0, a, c, act, v);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) thread_max = fmaxf(thread_max, v[j]);
     } else {
@@ -191,7 +199,7 @@ __device__ __forceinline__ void cp_async_wait() {
 template <class T, class O, int kThreads, int kVecs, int kStages, bool kInRegisters>
 __global__ void __launch_bounds__(kThreads)
 rows_staged(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
-            const float* __restrict__ a, const float* __restrict__ c) {
+            const float* __restrict__ a, const float* __restrict__ c, Activation act) {
   constexpr int kVec = Vec16<T>::kSize;
   constexpr int kWarps = kThreads / 32;
   constexpr int kCached = kInRegisters ? kVecs * kVec : 1;
@@ -213,7 +221,7 @@ rows_staged(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld
     cp_async_commit();  // an empty group past the last row keeps the group count uniform
   };
   auto values = [&](int stage, int i, float* v) {
-    load_affine<T, kVec>(reinterpret_cast<const T*>(chunk(stage, i)), col_of(i), a, c, v);
+    load_affine<T, kVec>(reinterpret_cast<const T*>(chunk(stage, i)), col_of(i), a, c, act, v);
   };
 
 #pragma unroll
@@ -297,7 +305,7 @@ __device__ __forceinline__ MaxSum merge(MaxSum x, MaxSum y) {
 template <class T, class O, int kVec>
 __global__ void __launch_bounds__(1024)
 rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
-            const float* __restrict__ a, const float* __restrict__ c) {
+            const float* __restrict__ a, const float* __restrict__ c, Activation act) {
   __shared__ MaxSum warp_parts[32];
   const int64_t row = blockIdx.x;
   const T* src = in + row * ld_in;
@@ -306,7 +314,7 @@ rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld
   MaxSum acc{-INFINITY, 0.f};
   for (int64_t col0 = int64_t(threadIdx.x) * kVec; col0 < N; col0 += int64_t(blockDim.x) * kVec) {
     float v[kVec];
-    load_affine<T, kVec>(src + col0, col0, a, c, v);
+    load_affine<T, kVec>(src + col0, col0, a, c, act, v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) acc = merge(acc, MaxSum{v[j], 1.f});
   }
@@ -323,7 +331,7 @@ rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld
 
   for (int64_t col0 = int64_t(threadIdx.x) * kVec; col0 < N; col0 += int64_t(blockDim.x) * kVec) {
     float v[kVec];
-    load_affine<T, kVec>(src + col0, col0, a, c, v);
+    load_affine<T, kVec>(src + col0, col0, a, c, act, v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[j] = softmax_exp<O>(v[j] - total.m);
     store_scaled<O, kVec>(dst + col0, v, inv_sum);
@@ -338,6 +346,7 @@ struct RowsArgs {
   int64_t ld_out;
   const float* a;
   const float* c;
+  Activation act;
   cudaStream_t stream;
 };
 
@@ -348,13 +357,13 @@ void launch_in_registers(const RowsArgs& r) {
   constexpr int kRowsPerBlock = kBlock / kThreadsPerRow;
   const int64_t blocks = (r.M + kRowsPerBlock - 1) / kRowsPerBlock;
   rows_in_registers<T, O, kVec, kElems, kThreadsPerRow, kBlock><<<dim3(unsigned(blocks)), kBlock, 0, r.stream>>>(
-      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<O*>(r.out), r.ld_out, r.a, r.c);
+      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<O*>(r.out), r.ld_out, r.a, r.c, r.act);
 }
 
 template <class T, class O, int kVec>
 void launch_looped(const RowsArgs& r) {
   rows_looped<T, O, kVec><<<dim3(unsigned(r.M)), 1024, 0, r.stream>>>(
-      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<O*>(r.out), r.ld_out, r.a, r.c);
+      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<O*>(r.out), r.ld_out, r.a, r.c, r.act);
 }
 
 // Shared memory of a rows_staged launch: kStages rows of kVecs 16-byte chunks per thread.
@@ -389,7 +398,7 @@ bool launch_staged(const RowsArgs& r) {
   if (per_sm < 0) return false;
   const int64_t blocks = std::min<int64_t>(r.M, int64_t(per_sm) * std::max(sm_count(device), 1));
   kernel<<<dim3(unsigned(blocks)), kThreads, kSmem, r.stream>>>(
-      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<O*>(r.out), r.ld_out, r.a, r.c);
+      r.M, r.N, static_cast<const T*>(r.in), r.ld_in, static_cast<O*>(r.out), r.ld_out, r.a, r.c, r.act);
   return true;
 }
 
@@ -451,9 +460,9 @@ void launch_elementwise(const RowsArgs& r) {
 
 void affine_softmax(DType in_dtype, int64_t M, int64_t N, const void* in, int64_t ld_in,
                     DType out_dtype, void* out, int64_t ld_out, const float* a, const float* c,
-                    cudaStream_t stream) {
+                    Activation act, cudaStream_t stream) {
   if (M == 0 || N == 0) return;
-  const RowsArgs r{M, N, in, ld_in, out, ld_out, a, c, stream};
+  const RowsArgs r{M, N, in, ld_in, out, ld_out, a, c, act, stream};
   dispatch_in_out(in_dtype, out_dtype, [&](auto in_tag, auto out_tag) {
     using T = decltype(in_tag);
     using O = decltype(out_tag);

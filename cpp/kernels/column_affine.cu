@@ -1,6 +1,6 @@
-// out[m, n] = a[n] * in[m, n] + c[n], in place (in == out) or into a new tensor: the training-mode
-// epilogue of a head without softmax, applied once the batch statistics (and so a, c) are known (out
-// of place when the backward keeps z). One read and one write per element, 16-byte vectors when the
+// out[m, n] = act(a[n] * in[m, n] + c[n]), in place (in == out) or into a new tensor: the
+// training-mode epilogue of a head without softmax (with its activation, activation.cuh), applied
+// once the batch statistics (and so a, c) are known (out of place when the backward keeps z). One read and one write per element, 16-byte vectors when the
 // rows allow it. The output may be wider than the input (a 16-bit z written as the fp32 output of a
 // head under autocast): a thread then moves the input's 16 bytes and as many output elements.
 // Each thread owns one vector of columns for a band of rows: it loads its kVec (a, c) pairs once
@@ -8,6 +8,7 @@
 // rather than by per-element parameter loads or index arithmetic.
 #include <algorithm>
 
+#include "activation.cuh"
 #include "cuda_utils.cuh"
 #include "fallback.hpp"
 
@@ -19,15 +20,15 @@ constexpr int kUnroll = 4;
 template <class T, class O, int kVec>
 __global__ void __launch_bounds__(256)
 column_affine_kernel(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
-                     const float* __restrict__ a, const float* __restrict__ c,
+                     const float* __restrict__ a, const float* __restrict__ c, Activation act,
                      int64_t rows_per_block) {
   const int64_t col0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
   if (col0 >= N) return;  // kVec > 1 implies N % kVec == 0
   float av[kVec], cv[kVec];
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    av[j] = __ldg(a + col0 + j);
-    cv[j] = __ldg(c + col0 + j);
+  for (int j = 0; j < kVec; ++j) {  // a, c null: the identity (the activation alone)
+    av[j] = a != nullptr ? __ldg(a + col0 + j) : 1.f;
+    cv[j] = c != nullptr ? __ldg(c + col0 + j) : 0.f;
   }
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
   const int64_t r1 = std::min<int64_t>(M, r0 + rows_per_block);
@@ -37,7 +38,9 @@ column_affine_kernel(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, i
   auto apply_store = [&](int64_t r, const Vec<T, kVec>& v) {
     Vec<O, kVec> o;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) o.v[j] = from_float<O>(av[j] * to_float(v.v[j]) + cv[j]);
+    for (int j = 0; j < kVec; ++j) {
+      o.v[j] = from_float<O>(activate(act, av[j] * to_float(v.v[j]) + cv[j]));
+    }
     *reinterpret_cast<Vec<O, kVec>*>(dst + r * ld_out) = o;
   };
   int64_t r = r0;
@@ -60,10 +63,11 @@ template <class T, class O>
 __global__ void __launch_bounds__(256)
 column_affine_kernel_1(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
                        const float* __restrict__ a, const float* __restrict__ c,
-                       int64_t rows_per_block) {
+                       Activation act, int64_t rows_per_block) {
   const int64_t col = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (col >= N) return;
-  const float av = __ldg(a + col), cv = __ldg(c + col);
+  const float av = a != nullptr ? __ldg(a + col) : 1.f, cv = c != nullptr ? __ldg(c + col) : 0.f;
+  auto f = [&](float v) { return activate(act, av * v + cv); };
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
   const int64_t r1 = std::min<int64_t>(M, r0 + rows_per_block);
   int64_t r = r0;
@@ -72,14 +76,14 @@ column_affine_kernel_1(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out,
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) v[u] = in[(r + u) * ld_in + col];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) out[(r + u) * ld_out + col] = from_float<O>(av * to_float(v[u]) + cv);
+    for (int u = 0; u < kUnroll; ++u) out[(r + u) * ld_out + col] = from_float<O>(f(to_float(v[u])));
   }
-  for (; r < r1; ++r) out[r * ld_out + col] = from_float<O>(av * to_float(in[r * ld_in + col]) + cv);
+  for (; r < r1; ++r) out[r * ld_out + col] = from_float<O>(f(to_float(in[r * ld_in + col])));
 }
 
 template <class T, class O, int kVec>
 void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld_out,
-            const float* a, const float* c, cudaStream_t stream) {
+            const float* a, const float* c, Activation act, cudaStream_t stream) {
   const int64_t vecs = N / kVec;
   const int threads = int(std::min<int64_t>(256, (vecs + 31) / 32 * 32));
   const int64_t col_blocks = (vecs + threads - 1) / threads;
@@ -91,10 +95,10 @@ void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld
   const dim3 grid(unsigned(col_blocks), unsigned((M + rows_per_block - 1) / rows_per_block));
   if constexpr (kVec == 1) {
     column_affine_kernel_1<T, O><<<grid, threads, 0, stream>>>(M, N, in, ld_in, out, ld_out, a, c,
-                                                               rows_per_block);
+                                                               act, rows_per_block);
   } else {
     column_affine_kernel<T, O, kVec><<<grid, threads, 0, stream>>>(M, N, in, ld_in, out, ld_out, a,
-                                                                   c, rows_per_block);
+                                                                   c, act, rows_per_block);
   }
 }
 
@@ -102,7 +106,7 @@ void launch(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld
 
 void column_affine_into(DType in_dtype, int64_t M, int64_t N, const void* in, int64_t ld_in,
                         DType out_dtype, void* out, int64_t ld_out, const float* a, const float* c,
-                        cudaStream_t stream) {
+                        Activation act, cudaStream_t stream) {
   if (M == 0 || N == 0) return;
   dispatch_in_out(in_dtype, out_dtype, [&](auto in_tag, auto out_tag) {
     using T = decltype(in_tag);
@@ -112,9 +116,9 @@ void column_affine_into(DType in_dtype, int64_t M, int64_t N, const void* in, in
     O* dst = static_cast<O*>(out);
     if (N % kVec == 0 && ld_in % kVec == 0 && ld_out % kVec == 0 && is_aligned16(in) &&
         is_aligned16(out)) {
-      launch<T, O, kVec>(M, N, src, ld_in, dst, ld_out, a, c, stream);
+      launch<T, O, kVec>(M, N, src, ld_in, dst, ld_out, a, c, act, stream);
     } else {
-      launch<T, O, 1>(M, N, src, ld_in, dst, ld_out, a, c, stream);
+      launch<T, O, 1>(M, N, src, ld_in, dst, ld_out, a, c, act, stream);
     }
   });
   check_launch("column_affine");
@@ -122,7 +126,7 @@ void column_affine_into(DType in_dtype, int64_t M, int64_t N, const void* in, in
 
 void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
                    const float* c, cudaStream_t stream) {
-  column_affine_into(dtype, M, N, z, ld, dtype, z, ld, a, c, stream);
+  column_affine_into(dtype, M, N, z, ld, dtype, z, ld, a, c, Activation{}, stream);
 }
 
 }  // namespace epifuse

@@ -5,6 +5,8 @@
 //
 //   softmax_grad_rowdot   (softmax heads) one pass over g, out: r[m] = sum_n g * out, so that
 //                         dv = out * (g - r[m]) is known element by element afterwards.
+//                         (With an activation, dv is also multiplied by act'(h), h = a * z + c
+//                         recomputed from z and the forward's fold: nothing more is kept.)
 //   head_grad_sums        one pass over g, out, z: per-column S1 = sum dv, S3 = sum dv * z in fp64.
 //   head_grad_coefficients  per column, fp64: dz = A * dv + B * z + C, parameter gradients.
 //   head_grad_z           one pass over g, out, z writing dz.
@@ -19,6 +21,7 @@
 #include <climits>
 #include <stdexcept>
 
+#include "activation.cuh"
 #include "cuda_utils.cuh"
 
 namespace epifuse {
@@ -65,6 +68,26 @@ __device__ __forceinline__ void load_dv_z(const GradOperands& o, int64_t row, in
   }
   load_floats<Z, kVec>(static_cast<const Z*>(o.z) + row * o.ld_z + col, z);
 }
+
+// The activation's factor of dv, act'(a[n] * z + c[n]), for one thread's kVec columns (a and c
+// loaded once). Without an activation nothing is loaded and dv passes through (a uniform branch).
+template <int kVec>
+struct ActivationGrad {
+  Activation act;
+  float a[kVec] = {}, c[kVec] = {};
+  __device__ __forceinline__ ActivationGrad(const GradOperands& o, int64_t col) : act(o.act) {
+    if (act.kind == ActivationKind::kNone) return;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      a[j] = __ldg(o.a + col + j);
+      c[j] = __ldg(o.c + col + j);
+    }
+  }
+  __device__ __forceinline__ float operator()(float dv, float z, int j) const {
+    if (act.kind == ActivationKind::kNone) return dv;
+    return dv * activation_grad(act, fmaf(a[j], z, c[j]));
+  }
+};
 
 // Whether every operand allows vectors of kVec elements (whole 16-byte accesses) along its rows.
 template <int kVec>
@@ -165,6 +188,7 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
   const int64_t col = col0 + int64_t(sub) * kVec;
   double s1[kVec] = {}, s3[kVec] = {};
   if (col < o.N) {
+    const ActivationGrad<kVec> act_grad(o, col);
     const G* g = static_cast<const G*>(o.g) + col;
     const Z* z = static_cast<const Z*>(o.z) + col;
     const G* out = kSoftmax ? static_cast<const G*>(o.out) + col : nullptr;
@@ -190,6 +214,7 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
         for (int e = 0; e < kVec; ++e) {
           float dv = gv[i][e];
           if constexpr (kSoftmax) dv = ov[i][e] * (dv - r[i]);
+          dv = act_grad(dv, zv[i][e], e);
           p1[e] += dv;
           p3[e] = fmaf(dv, zv[i][e], p3[e]);
         }
@@ -204,6 +229,7 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
       load_dv_z<G, Z, kVec, kSoftmax>(o, row, col, dv, zf);
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
+        dv[e] = act_grad(dv[e], zf[e], e);
         s1[e] += dv[e];
         s3[e] = fma(double(dv[e]), double(zf[e]), s3[e]);  // exact product of two fp32 values
       }
@@ -400,11 +426,14 @@ head_grad_z_kernel(GradOperands o, const float* __restrict__ coef, Z* __restrict
     B[j] = __ldg(coef + o.N + col + j);
     C[j] = __ldg(coef + 2 * o.N + col + j);
   }
+  const ActivationGrad<kVec> act_grad(o, col);
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
   const int64_t r1 = std::min<int64_t>(o.M, r0 + rows_per_block);
   for (int64_t row = r0; row < r1; ++row) {
     float dv[kVec], z[kVec];
     load_dv_z<G, Z, kVec, kSoftmax>(o, row, col, dv, z);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dv[j] = act_grad(dv[j], z[j], j);
     Z* dst = dz + row * ld_dz + col;
     if constexpr (kVec > 1) {
       Vec<Z, kVec> v;

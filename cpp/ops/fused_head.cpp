@@ -66,11 +66,14 @@ EPIFUSE_OP(synced_batch_fold, "synced_batch_fold",
            Tensor3(const Tensor&, const Tensor&, int64_t, const OptTensor&, const Tensor&,
                    const Tensor&, const OptTensor&, const OptTensor&, double, c10::string_view))
 EPIFUSE_OP(affine_softmax, "affine_softmax",
-           Tensor(const Tensor&, const OptTensor&, const OptTensor&, OptDType))
-EPIFUSE_OP(affine, "affine", Tensor(const Tensor&, const Tensor&, const Tensor&, OptDType))
+           Tensor(const Tensor&, const OptTensor&, const OptTensor&, c10::string_view, double,
+                  OptDType))
+EPIFUSE_OP(affine, "affine",
+           Tensor(const Tensor&, const Tensor&, const Tensor&, c10::string_view, double, OptDType))
 EPIFUSE_OP(softmax_grad_rowdot, "softmax_grad_rowdot", Tensor(const Tensor&, const Tensor&))
 EPIFUSE_OP(head_grad_sums, "head_grad_sums",
-           Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&))
+           Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&,
+                  const OptTensor&, const OptTensor&, c10::string_view, double))
 EPIFUSE_OP(synced_grad_sums, "synced_grad_sums",
            Tensor(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const OptTensor&,
                   const OptTensor&, double, c10::string_view))
@@ -79,7 +82,8 @@ EPIFUSE_OP(head_grad_coefficients, "head_grad_coefficients",
                    const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const OptTensor&,
                    const OptTensor&, bool, double))
 EPIFUSE_OP(head_grad_z, "head_grad_z",
-           Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&))
+           Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&,
+                  const OptTensor&, const OptTensor&, c10::string_view, double))
 EPIFUSE_OP(backward_matmul, "backward_matmul",
            Tensor(const Tensor&, const Tensor&, c10::string_view, OptDType))
 EPIFUSE_OP(fused_head_op, "fused_head",
@@ -132,8 +136,10 @@ Tensor5 fused_head_impl(const Tensor& x, const Tensor& weight, const OptTensor& 
     std::tie(a, c, moments) =
         bn_fold_batch().call(colsum, colsumsq, x.size(0), bias, gamma, beta, pre, post, cfg.eps);
   }
-  Tensor out = cfg.softmax ? affine_softmax().call(z, a, c, cfg.out_dtype)
-                           : affine().call(z, a, c, cfg.out_dtype);
+  Tensor out = cfg.softmax ? affine_softmax().call(z, a, c, cfg.activation, cfg.negative_slope,
+                                                   cfg.out_dtype)
+                           : affine().call(z, a, c, cfg.activation, cfg.negative_slope,
+                                           cfg.out_dtype);
   return {out, z, colsum, colsumsq, moments};
 }
 
@@ -159,7 +165,18 @@ Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const O
   const auto [pre, post] = scales(scale, scale_before_bn);
   const OptTensor rowdot = softmax ? OptTensor(softmax_grad_rowdot().call(grad, *out)) : std::nullopt;
   const OptTensor softmax_out = softmax ? out : std::nullopt;
-  const Tensor sums = head_grad_sums().call(grad, softmax_out, rowdot, z);
+  // An activation's derivative at h = a * z + c: the fold (a, c) again, from the statistics the
+  // forward normalized with (moments: batch, merged or running), rather than kept from the forward.
+  OptTensor a, c;
+  if (!cfg.activation.empty()) {
+    const int64_t n = gamma.size(0);
+    const auto stat = [&](int64_t i) {
+      return moments.slice(0, i * n, (i + 1) * n).to(gamma.scalar_type());
+    };
+    std::tie(a, c) = bn_fold_eval().call(bias, gamma, beta, pre, post, stat(0), stat(1), cfg.eps);
+  }
+  const Tensor sums = head_grad_sums().call(grad, softmax_out, rowdot, z, a, c, cfg.activation,
+                                            cfg.negative_slope);
   // du (hence dz, d bias and a scale before BatchNorm) needs the batch terms of every rank:
   // nn.SyncBatchNorm's condition, so ranks on the reference path issue the same all_reduce.
   const bool need_du = needs[0] || needs[1] || needs[2] || (scale_before_bn && needs[5]);
@@ -179,7 +196,8 @@ Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const O
     // result, no cast pass; bf16 has fp32's range, so no overflow is lost); under fp16 it is an
     // fp16 result cast, as in eager, so that an fp16 overflow shows up as the same inf and
     // GradScaler skips the same steps.
-    const Tensor dz = head_grad_z().call(grad, softmax_out, rowdot, z, coef);
+    const Tensor dz = head_grad_z().call(grad, softmax_out, rowdot, z, coef, a, c,
+                                         cfg.activation, cfg.negative_slope);
     if (needs[0]) grad_x = backward_matmul().call(dz, *weight, cfg.precision, std::nullopt);
     if (needs[1]) {
       const bool fp32_out = gamma.scalar_type() == at::kFloat && dz.scalar_type() == at::kBFloat16;

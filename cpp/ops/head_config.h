@@ -40,6 +40,12 @@ using OptDType = std::optional<at::ScalarType>;
   X(scale_before_bn, bool,                  bool,                  "bool",   "False")              \
   /* A row softmax ends the head (problem 84). */                                                  \
   X(softmax,         bool,                  bool,                  "bool",   "False")              \
+  /* The activation after the per-column affine (and a scale after BatchNorm), before the        \
+     softmax: '' (none), 'relu', 'leaky_relu', 'gelu', 'gelu_tanh' (GELU approximate='tanh') or  \
+     'silu' (activation_from_name() in epifuse/activation.h names them). */                       \
+  X(activation,      std::string,           c10::string_view,      "str",    "''")                 \
+  /* LeakyReLU's slope for negative inputs (its default); the other activations ignore it. */      \
+  X(negative_slope,  double,                double,                "float",  "0.01")               \
   /* BatchNorm's momentum for the running-statistics update (None: cumulative average, as        \
      nn.BatchNorm1d). fused_head is functional and leaves that update to its caller (head.py),   \
      which passes this value to bn_fold_train; the op itself carries it unused. */                 \

@@ -451,6 +451,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_fold_batch_cuda(
   return {a, c, moments};
 }
 
+// ---- activations ---------------------------------------------------------------------------
+
+// HeadConfig's activation names, the one place that spells them (python/epifuse/fold.py's
+// ACTIVATIONS lists the same, in this order; tests check they agree).
+constexpr std::pair<const char*, ActivationKind> kActivations[] = {
+    {"", ActivationKind::kNone},          {"relu", ActivationKind::kReLU},
+    {"leaky_relu", ActivationKind::kLeakyReLU}, {"gelu", ActivationKind::kGELU},
+    {"gelu_tanh", ActivationKind::kGELUTanh},   {"silu", ActivationKind::kSiLU}};
+
+Activation activation_from_name(c10::string_view name, double negative_slope, const char* op) {
+  for (const auto& entry : kActivations) {
+    if (name == entry.first) return Activation{entry.second, float(negative_slope)};
+  }
+  EPIFUSE_CHECK_VALUE(false, "epifuse::", op, ": unknown activation '", std::string(name),
+                      "' (expected '', 'relu', 'leaky_relu', 'gelu', 'gelu_tanh' or 'silu')");
+  return {};
+}
+
 // ---- row passes ----------------------------------------------------------------------------
 
 struct AffinePair {
@@ -482,76 +500,87 @@ at::ScalarType pass_out_dtype(const at::Tensor& z, std::optional<at::ScalarType>
   return out;
 }
 
-void softmax_into(const at::Tensor& src, const at::Tensor& dst, const AffinePair& ac) {
-  const float* a = ac.a.defined() ? ac.a.data_ptr<float>() : nullptr;
-  const float* c = ac.c.defined() ? ac.c.data_ptr<float>() : nullptr;
+const float* floats_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+void softmax_into(const at::Tensor& src, const at::Tensor& dst, const AffinePair& ac,
+                  Activation act) {
   affine_softmax(to_dtype(src, "affine_softmax"), src.size(0), src.size(1), src.data_ptr(),
-                 src.stride(0), to_dtype(dst, "affine_softmax"), dst.data_ptr(), dst.stride(0), a, c,
-                 current_stream());
+                 src.stride(0), to_dtype(dst, "affine_softmax"), dst.data_ptr(), dst.stride(0),
+                 floats_or_null(ac.a), floats_or_null(ac.c), act, current_stream());
 }
 
 at::Tensor affine_softmax_cuda(const at::Tensor& z, const std::optional<at::Tensor>& a,
-                               const std::optional<at::Tensor>& c,
-                               std::optional<at::ScalarType> out_dtype) {
+                               const std::optional<at::Tensor>& c, c10::string_view activation,
+                               double negative_slope, std::optional<at::ScalarType> out_dtype) {
   const char* op = "affine_softmax";
   check_matrix(z, op);
   const auto guard = guard_for(z, op, "z");
+  const Activation act = activation_from_name(activation, negative_slope, op);
   const AffinePair ac = optional_affine(z, a, c, op);
   const at::ScalarType dtype = pass_out_dtype(z, out_dtype, op);
   const at::Tensor src = rows_with_unit_stride(z);
   at::Tensor out = at::empty(z.sizes(), z.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
-  softmax_into(src, out, ac);
+  softmax_into(src, out, ac, act);
   return out;
 }
 
 void affine_softmax_inplace_cuda(const at::Tensor& z, const std::optional<at::Tensor>& a,
-                                 const std::optional<at::Tensor>& c) {
+                                 const std::optional<at::Tensor>& c, c10::string_view activation,
+                                 double negative_slope) {
   const char* op = "affine_softmax_";
   check_matrix(z, op);
   const auto guard = guard_for(z, op, "z");
+  const Activation act = activation_from_name(activation, negative_slope, op);
   const AffinePair ac = optional_affine(z, a, c, op);
   if (z.numel() == 0) return;
   if (z.stride(1) == 1 && z.stride(0) >= z.size(1)) {
-    softmax_into(z, z, ac);
+    softmax_into(z, z, ac, act);
   } else {  // strided view: compute densely, then write back through the view
     at::Tensor dense = z.contiguous();
-    softmax_into(dense, dense, ac);
+    softmax_into(dense, dense, ac, act);
     z.copy_(dense);
   }
 }
 
-void affine_inplace_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tensor& c) {
+// a, c absent: the activation alone (a head whose GEMM epilogue applied the affine).
+void affine_inplace_cuda(const at::Tensor& z, const std::optional<at::Tensor>& a,
+                         const std::optional<at::Tensor>& c, c10::string_view activation,
+                         double negative_slope) {
   const char* op = "affine_";
   check_matrix(z, op);
   const auto guard = guard_for(z, op, "z");
-  const at::Tensor a32 = column_vector(a, z.size(1), op, "a", z);
-  const at::Tensor c32 = column_vector(c, z.size(1), op, "c", z);
+  const Activation act = activation_from_name(activation, negative_slope, op);
+  const AffinePair ac = optional_affine(z, a, c, op);
   if (z.numel() == 0) return;
-  auto stream = current_stream();
+  auto in_place = [&](const at::Tensor& t) {
+    column_affine_into(to_dtype(t, op), t.size(0), t.size(1), t.data_ptr(), t.stride(0),
+                       to_dtype(t, op), t.data_ptr(), t.stride(0), floats_or_null(ac.a),
+                       floats_or_null(ac.c), act, current_stream());
+  };
   if (z.stride(1) == 1 && z.stride(0) >= z.size(1)) {
-    column_affine(to_dtype(z, op), z.size(0), z.size(1), z.data_ptr(), z.stride(0),
-                  a32.data_ptr<float>(), c32.data_ptr<float>(), stream);
+    in_place(z);
   } else {
     at::Tensor dense = z.contiguous();
-    column_affine(to_dtype(z, op), dense.size(0), dense.size(1), dense.data_ptr(), dense.stride(0),
-                  a32.data_ptr<float>(), c32.data_ptr<float>(), stream);
+    in_place(dense);
     z.copy_(dense);
   }
 }
 
 at::Tensor affine_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tensor& c,
+                       c10::string_view activation, double negative_slope,
                        std::optional<at::ScalarType> out_dtype) {
   const char* op = "affine";
   check_matrix(z, op);
   const auto guard = guard_for(z, op, "z");
+  const Activation act = activation_from_name(activation, negative_slope, op);
   const at::Tensor a32 = column_vector(a, z.size(1), op, "a", z);
   const at::Tensor c32 = column_vector(c, z.size(1), op, "c", z);
   const at::ScalarType dtype = pass_out_dtype(z, out_dtype, op);
   const at::Tensor src = rows_with_unit_stride(z);
   at::Tensor out = at::empty(z.sizes(), z.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
   column_affine_into(to_dtype(z, op), src.size(0), src.size(1), src.data_ptr(), src.stride(0),
-                     to_dtype(out, op), out.data_ptr(), std::max<int64_t>(out.size(1), 1), a32.data_ptr<float>(),
-                     c32.data_ptr<float>(), current_stream());
+                     to_dtype(out, op), out.data_ptr(), std::max<int64_t>(out.size(1), 1),
+                     a32.data_ptr<float>(), c32.data_ptr<float>(), act, current_stream());
   return out;
 }
 
@@ -562,8 +591,22 @@ at::Tensor affine_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tenso
 // y.sum(), has stride 0).
 struct PreparedGrad {
   GradOperands o;
-  at::Tensor g, out, rowdot, z;  // keep the (possibly copied) operands alive
+  at::Tensor g, out, rowdot, z, a, c;  // keep the (possibly copied) operands alive
 };
+
+// The activation of a head's backward and the forward's fold it recomputes h = a * z + c from.
+void prepare_activation(PreparedGrad& p, const at::Tensor& z, const std::optional<at::Tensor>& a,
+                        const std::optional<at::Tensor>& c, c10::string_view activation,
+                        double negative_slope, const char* op) {
+  p.o.act = activation_from_name(activation, negative_slope, op);
+  if (p.o.act.kind == ActivationKind::kNone) return;
+  EPIFUSE_CHECK(a.has_value() && c.has_value(), "epifuse::", op, ": activation '",
+                std::string(activation), "' needs a and c (the forward's fold)");
+  p.a = column_vector(*a, p.o.N, op, "a", z);
+  p.c = column_vector(*c, p.o.N, op, "c", z);
+  p.o.a = p.a.data_ptr<float>();
+  p.o.c = p.c.data_ptr<float>();
+}
 
 PreparedGrad prepare_grad(const at::Tensor& grad, const std::optional<at::Tensor>& out,
                           const std::optional<at::Tensor>& rowdot, const at::Tensor& z,
@@ -622,11 +665,15 @@ at::Tensor softmax_grad_rowdot_cuda(const at::Tensor& grad, const at::Tensor& ou
 }
 
 at::Tensor head_grad_sums_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& out,
-                               const std::optional<at::Tensor>& rowdot, const at::Tensor& z) {
+                               const std::optional<at::Tensor>& rowdot, const at::Tensor& z,
+                               const std::optional<at::Tensor>& a,
+                               const std::optional<at::Tensor>& c, c10::string_view activation,
+                               double negative_slope) {
   const char* op = "head_grad_sums";
   EPIFUSE_CHECK(z.dim() == 2, "epifuse::", op, ": expected z to be 2-D [M, N], got ", z.dim(), "-D");
   const auto guard = guard_for(z, op, "z");
-  const PreparedGrad p = prepare_grad(grad, out, rowdot, z, op);
+  PreparedGrad p = prepare_grad(grad, out, rowdot, z, op);
+  prepare_activation(p, z, a, c, activation, negative_slope, op);
   if (p.o.N == 0) return at::full({1}, double(p.o.M), z.options().dtype(at::kDouble));
   at::Tensor sums = at::empty({2 * p.o.N + 1}, z.options().dtype(at::kDouble));
   head_grad_sums(p.o, sums.data_ptr<double>(), current_stream());
@@ -692,11 +739,14 @@ head_grad_coefficients_cuda(const at::Tensor& sums, const std::optional<at::Tens
 
 at::Tensor head_grad_z_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& out,
                             const std::optional<at::Tensor>& rowdot, const at::Tensor& z,
-                            const at::Tensor& coef) {
+                            const at::Tensor& coef, const std::optional<at::Tensor>& a,
+                            const std::optional<at::Tensor>& c, c10::string_view activation,
+                            double negative_slope) {
   const char* op = "head_grad_z";
   EPIFUSE_CHECK(z.dim() == 2, "epifuse::", op, ": expected z to be 2-D [M, N], got ", z.dim(), "-D");
   const auto guard = guard_for(z, op, "z");
-  const PreparedGrad p = prepare_grad(grad, out, rowdot, z, op);
+  PreparedGrad p = prepare_grad(grad, out, rowdot, z, op);
+  prepare_activation(p, z, a, c, activation, negative_slope, op);
   check_cuda(coef, op, "coef", z);
   EPIFUSE_CHECK(coef.scalar_type() == at::kFloat && coef.dim() == 2 && coef.size(0) == 3 &&
                     coef.size(1) == p.o.N,
@@ -781,24 +831,29 @@ TORCH_LIBRARY(epifuse, m) {
          head_schema_kwargs({"eps"}) + ") -> (Tensor, Tensor)")
             .c_str());
   // out_dtype: the output's dtype, z's (None) or float32 from a 16-bit z (autocast).
-  m.def("affine_softmax(Tensor z, Tensor? a, Tensor? c, *, ScalarType? out_dtype=None) -> Tensor");
-  m.def("affine_softmax_(Tensor(a!) z, Tensor? a, Tensor? c) -> ()");
-  m.def("affine_(Tensor(a!) z, Tensor a, Tensor c) -> ()");
-  m.def("affine(Tensor z, Tensor a, Tensor c, *, ScalarType? out_dtype=None) -> Tensor");
+  // The row passes: the affine, the activation and (affine_softmax) the row softmax.
+  const std::string activation = head_schema_kwargs({"activation", "negative_slope"});
+  const std::string activation_out = head_schema_kwargs({"activation", "negative_slope", "out_dtype"});
+  m.def(("affine_softmax(Tensor z, Tensor? a, Tensor? c, " + activation_out + ") -> Tensor").c_str());
+  m.def(("affine_softmax_(Tensor(a!) z, Tensor? a, Tensor? c, " + activation + ") -> ()").c_str());
+  m.def(("affine_(Tensor(a!) z, Tensor? a, Tensor? c, " + activation + ") -> ()").c_str());
+  m.def(("affine(Tensor z, Tensor a, Tensor c, " + activation_out + ") -> Tensor").c_str());
   m.def((std::string("bn_fold_batch(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, "
                      "Tensor gamma, Tensor beta, Tensor? pre_scale, Tensor? post_scale, ") +
          head_schema_kwargs({"eps"}) + ") -> (Tensor, Tensor, Tensor)")
             .c_str());
   // Backward of a head (python/epifuse/fold.py, "backward").
   m.def("softmax_grad_rowdot(Tensor grad, Tensor out) -> Tensor");
-  m.def("head_grad_sums(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z) -> Tensor");
+  m.def(("head_grad_sums(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z, Tensor? a=None, "
+         "Tensor? c=None, " + activation + ") -> Tensor").c_str());
   m.def((std::string("head_grad_coefficients(Tensor sums, Tensor? global_sums, Tensor? colsum, "
                      "Tensor? colsumsq, Tensor moments, Tensor? bias, Tensor gamma, Tensor beta, "
                      "Tensor? pre_scale, Tensor? post_scale, ") +
          head_schema_kwargs({"training", "eps"}) +
          ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
             .c_str());
-  m.def("head_grad_z(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z, Tensor coef) -> Tensor");
+  m.def(("head_grad_z(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z, Tensor coef, "
+         "Tensor? a=None, Tensor? c=None, " + activation + ") -> Tensor").c_str());
   // out_dtype: a's (None) or float32 for 16-bit a and b (written by the GEMM).
   m.def("backward_matmul(Tensor a, Tensor b, str precision, *, ScalarType? out_dtype=None) -> Tensor");
   // Build information (no tensors, so one kernel for every backend): the GPU architectures the

@@ -184,31 +184,40 @@ void bn_fold_eval(const FoldProblem& f, const void* running_mean, const void* ru
 void bn_fold_batch(const FoldProblem& f, const double* colsum, const double* colsumsq,
                    int64_t count, double* moments, cudaStream_t stream);
 
+// ---- The activation of a head: after the per-column affine, before the softmax ----------------
+// act(h) in fp32, as PyTorch's (cpp/kernels/activation.cuh; python/epifuse/fold.py's activate()
+// is the reference). The ops name them by HeadConfig's 'activation' strings.
+enum class ActivationKind : int { kNone, kReLU, kLeakyReLU, kGELU, kGELUTanh, kSiLU };
+struct Activation {
+  ActivationKind kind = ActivationKind::kNone;
+  float negative_slope = 0.01f;  // kLeakyReLU only
+};
+
 // ---- Row passes over an [M, N] matrix with row stride ld ---------------------------------------
 // Row passes read `in` in in_dtype and write `out` in out_dtype: the same dtype, or a 16-bit input
 // with an fp32 output (autocast: z in the GEMM's 16-bit dtype, the head's output in fp32).
 
-// out = softmax(a[n] * in + c[n]) along each row; a, c may be null (identity). in may equal out
-// (same dtype).
+// out = softmax(act(a[n] * in + c[n])) along each row; a, c may be null (identity). in may equal
+// out (same dtype).
 void affine_softmax(DType in_dtype, int64_t M, int64_t N, const void* in, int64_t ld_in,
                     DType out_dtype, void* out, int64_t ld_out, const float* a, const float* c,
-                    cudaStream_t stream);
+                    Activation act, cudaStream_t stream);
 
-// z = a[n] * z + c[n] in place.
+// z = a[n] * z + c[n] in place (the GEMM's affine epilogue run as a separate pass).
 void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
                    const float* c, cudaStream_t stream);
 
-// out = a[n] * in[m, n] + c[n] (in may equal out, same dtype).
+// out = act(a[n] * in[m, n] + c[n]) (in may equal out, same dtype); a, c may be null (identity).
 void column_affine_into(DType in_dtype, int64_t M, int64_t N, const void* in, int64_t ld_in,
                         DType out_dtype, void* out, int64_t ld_out, const float* a, const float* c,
-                        cudaStream_t stream);
+                        Activation act, cudaStream_t stream);
 
 // ---- Backward of a head (python/epifuse/fold.py, "backward", is the reference) -----------------
 // g = grad of the head's output; out = the softmax's output (softmax heads); z = x . W^T as the
 // forward's GEMM stored it; all [M, N] with unit column stride and row strides ld_g / ld_out / ld_z.
 // g and out share `dtype` (the head's output dtype); z has z_dtype, the same or (autocast) a 16-bit
 // GEMM dtype under an fp32 output. dv = out * (g - rowdot[m]) for softmax heads (out non-null),
-// else g.
+// else g; times act'(a[n] * z + c[n]) for a head with an activation.
 struct GradOperands {
   DType dtype = DType::kFloat32;    // g, out
   DType z_dtype = DType::kFloat32;  // z (and dz, head_grad_z's output)
@@ -217,6 +226,11 @@ struct GradOperands {
   const void* out = nullptr;  int64_t ld_out = 0;  // null: no softmax
   const float* rowdot = nullptr;                   // [M], softmax heads
   const void* z = nullptr;    int64_t ld_z = 0;
+  // A head with an activation: dv is also multiplied by act'(h), h = a[n] * z + c[n] (the
+  // forward's fold, fp32 [N]); a, c null without one.
+  Activation act;
+  const float* a = nullptr;
+  const float* c = nullptr;
 };
 
 // rowdot[m] = sum_n g[m, n] * out[m, n] (fp32 accumulation, fixed order).

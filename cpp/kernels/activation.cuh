@@ -1,0 +1,53 @@
+// The activation of a head, element by element in fp32: act(h) and its derivative act'(h), as
+// PyTorch computes them (ReLU, LeakyReLU(negative_slope), GELU with erf or tanh, SiLU).
+// python/epifuse/fold.py (activate, activation_grad) is the reference the kernels are tested to.
+//
+// The kind is a kernel argument, not a template parameter: every row pass takes every activation
+// without multiplying its instantiations, and the switch costs a uniform branch per element in
+// passes bound by memory bandwidth.
+#pragma once
+
+#include "epifuse/kernels.h"
+
+namespace epifuse {
+
+__device__ __forceinline__ float activate(const Activation& act, float h) {
+  switch (act.kind) {
+    case ActivationKind::kNone: return h;
+    case ActivationKind::kReLU: return h > 0.f ? h : 0.f;
+    case ActivationKind::kLeakyReLU: return h > 0.f ? h : h * act.negative_slope;
+    case ActivationKind::kGELU: return 0.5f * h * (1.f + erff(h * 0.70710678118654752f));
+    case ActivationKind::kGELUTanh: {
+      const float inner = 0.7978845608028654f * (h + 0.044715f * h * h * h);
+      return 0.5f * h * (1.f + tanhf(inner));
+    }
+    case ActivationKind::kSiLU: return h / (1.f + expf(-h));
+  }
+  return h;
+}
+
+// d act / d h at h (ReLU's and LeakyReLU's at 0: 0 and negative_slope, as PyTorch's).
+__device__ __forceinline__ float activation_grad(const Activation& act, float h) {
+  switch (act.kind) {
+    case ActivationKind::kNone: return 1.f;
+    case ActivationKind::kReLU: return h > 0.f ? 1.f : 0.f;
+    case ActivationKind::kLeakyReLU: return h > 0.f ? 1.f : act.negative_slope;
+    case ActivationKind::kGELU: {
+      const float cdf = 0.5f * (1.f + erff(h * 0.70710678118654752f));
+      const float pdf = 0.3989422804014327f * expf(-0.5f * h * h);
+      return cdf + h * pdf;
+    }
+    case ActivationKind::kGELUTanh: {
+      const float k = 0.7978845608028654f, k3 = 0.044715f;
+      const float t = tanhf(k * (h + k3 * h * h * h));
+      return 0.5f * (1.f + t) + 0.5f * h * (1.f - t * t) * k * (1.f + 3.f * k3 * h * h);
+    }
+    case ActivationKind::kSiLU: {
+      const float s = 1.f / (1.f + expf(-h));
+      return s * (1.f + h * (1.f - s));
+    }
+  }
+  return 1.f;
+}
+
+}  // namespace epifuse

@@ -130,8 +130,9 @@ def _ms(row: dict, impl: str) -> Optional[float]:
 
 
 def markdown(rows: list[dict], env: dict) -> str:
+    batch = rows[0]["batch"] if rows else "-"
     lines = ["## Real heads: models fused by epifuse.fuse against eager and torch.compile", "",
-             f"- GPU: {env['gpu']}; PyTorch {env['torch']}; batch {rows[0]['batch'] if rows else '-'}",
+             f"- GPU: {env['gpu']}; PyTorch {env['torch']}; batch {batch}",
              "- `python -m benchmarks.real_heads` (median ms per call; peak MiB of one call)", "",
              "| model | setting | mode | fused heads | ours ms | eager ms | compile ms | vs eager "
              "| vs compile | peak MiB ours / eager |",
@@ -177,7 +178,19 @@ def main(argv=None) -> int:
         batch, settings = 64, timing.Settings(warmup=1, iters=3, min_iters=1)
     env = {"gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU)",
            "torch": torch.__version__}
-    rows = []
+    rows: list[dict] = []
+    os.makedirs(args.out, exist_ok=True)
+
+    def save() -> str:  # after every case, so that an interrupted run keeps what it measured
+        with open(os.path.join(args.out, "real_heads.json"), "w") as fh:
+            json.dump({"env": env, "rows": rows}, fh, indent=1)
+        text = markdown(rows, env)
+        for path in [os.path.join(args.out, "real_heads.md")] + [args.markdown] * bool(
+                args.markdown):
+            with open(path, "w") as fh:
+                fh.write(text)
+        return text
+
     for model_name in args.models:
         for setting in args.settings:
             if setting.startswith("amp-") and device.type != "cuda":
@@ -186,19 +199,11 @@ def main(argv=None) -> int:
                 row = run_case(model_name, setting, mode, dims[model_name], batch, device,
                                settings, compile_=not args.no_compile and device.type == "cuda")
                 rows.append(row)
+                save()
                 print(f"{model_name} {setting} {mode}: ours {_ms(row, 'ours')} eager "
                       f"{_ms(row, 'eager')} compile {_ms(row, 'compile')} ms; fused "
                       f"{row['fused']}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "real_heads.json"), "w") as fh:
-        json.dump({"env": env, "rows": rows}, fh, indent=1)
-    text = markdown(rows, env)
-    with open(os.path.join(args.out, "real_heads.md"), "w") as fh:
-        fh.write(text)
-    if args.markdown:
-        with open(args.markdown, "w") as fh:
-            fh.write(text)
-    print(text)
+    print(save())
     return 0
 
 

@@ -462,3 +462,87 @@ def test_cuda_matches_cpu_kernel(name, dtype_id, index):
     for got, want in zip(cuda_args, cpu_args):  # mutated arguments agree too
         if isinstance(got, torch.Tensor):
             assert rel_err(got, want) <= tol
+
+
+# --------------------------------------------------------------------------- activations (CUDA)
+# Every kernel of the row passes (widths as above: register, staged and looped softmax kernels,
+# vector and element paths) with each activation, against fold.py's float64 reference.
+ACTIVATION_CASES = [pytest.param(d, n, act, id=f"{d}-N{n}-{act}")
+                    for d in DTYPES for n in (5, 1000, 8192, 70000)
+                    for act in ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu")]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("dtype_id,n,activation", ACTIVATION_CASES)
+def test_row_passes_apply_the_activation(dtype_id, n, activation):
+    dtype = DTYPES[dtype_id]
+    z, a, c = _softmax_inputs(n, dtype, True)
+    kw = {"activation": activation, "negative_slope": 0.2}
+    h = fold.activate(ops._affine64(z, a, c), activation, 0.2)
+    tol = max(SOFTMAX_TOL[dtype], 1e-6)
+    assert rel_err(ops.affine(z, a, c, **kw), h) <= tol
+    inplace = z.clone()
+    ops.affine_(inplace, a, c, **kw)
+    assert rel_err(inplace, h) <= tol
+    alone = z.clone()  # no affine: the eval path's activation pass after gemm_affine
+    ops.affine_(alone, None, None, **kw)
+    assert rel_err(alone, fold.activate(z, activation, 0.2)) <= tol
+    expected = torch.softmax(h, dim=1)
+    assert rel_err(ops.affine_softmax(z, a, c, **kw), expected) <= tol
+    inplace = z.clone()
+    ops.affine_softmax_(inplace, a, c, **kw)
+    assert rel_err(inplace, expected) <= tol
+    if dtype != torch.float32:  # autocast's fp32 output from a 16-bit z
+        y = ops.affine(z, a, c, out_dtype=torch.float32, **kw)
+        assert y.dtype == torch.float32 and rel_err(y, h) <= 1e-6
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("dtype_id,n,activation", ACTIVATION_CASES)
+def test_backward_passes_through_the_activation(dtype_id, n, activation):
+    """head_grad_sums / head_grad_z with an activation (vector and element paths) vs fold.py."""
+    dtype = DTYPES[dtype_id]
+    g = torch.Generator(device=CUDA).manual_seed(n + 1)
+    m = 300
+    z = (torch.randn(m, n, device=CUDA, generator=g) * 2).to(dtype)
+    a = torch.rand(n, device=CUDA, generator=g) + 0.5
+    c = torch.randn(n, device=CUDA, generator=g)
+    grad = torch.randn(m, n, device=CUDA, generator=g).to(dtype)
+    coef = torch.randn(3, n, device=CUDA, generator=g)
+    kw = {"activation": activation, "negative_slope": 0.2}
+    h = ops._affine64(z, a, c)
+    for softmax in (False, True):
+        out = torch.softmax(fold.activate(h, activation, 0.2), dim=1).to(dtype) if softmax else None
+        rowdot = ops.softmax_grad_rowdot(grad, out) if softmax else None
+        sums = ops.head_grad_sums(grad, out, rowdot, z, a, c, **kw)
+        want = fold.grad_sums(grad, out, z, h, activation, 0.2)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert rel_err(sums[:n], want[:n]) <= tol and rel_err(sums[n:], want[n:]) <= tol
+        dz = ops.head_grad_z(grad, out, rowdot, z, coef, a, c, **kw)
+        want_dz = fold.grad_z(grad, out, z, *coef.unbind(0), h, activation, 0.2)
+        assert dz.dtype == dtype and rel_err(dz, want_dz) <= tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_activation_errors(device):
+    z = torch.rand(4, 3, device=device)
+    a, c = torch.ones(3, device=device), torch.zeros(3, device=device)
+    with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+        ops.affine_(z, a, c, activation="tanh")
+    with pytest.raises(ValueError, match="unknown activation 'Relu'"):
+        ops.affine_softmax(z, a, c, activation="Relu")
+    with pytest.raises(RuntimeError, match="activation 'gelu' needs a and c"):
+        ops.head_grad_sums(z, None, None, z, activation="gelu")
+    with pytest.raises(RuntimeError, match="activation 'silu' needs a and c"):
+        ops.head_grad_z(z, None, None, z, torch.zeros(3, 3, device=device), activation="silu")
+    with pytest.raises(RuntimeError, match="pass both a and c"):
+        ops.affine_(z, a, None, activation="relu")
+
+
+def test_activation_names_are_the_ops():
+    """Every name of fold.ACTIVATIONS (the reference) is an op setting (here the CPU kernels; the
+    CUDA tests above pass each one through the C++ table, ops.cpp's kActivations)."""
+    z = torch.rand(4, 3)
+    for name in fold.ACTIVATIONS:
+        ops.affine_(z.clone(), None, None, activation=name)
+    assert fold.ACTIVATIONS[0] == "" and len(set(fold.ACTIVATIONS)) == 6

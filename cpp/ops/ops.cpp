@@ -478,7 +478,7 @@ struct AffinePair {
 AffinePair optional_affine(const at::Tensor& z, const std::optional<at::Tensor>& a,
                            const std::optional<at::Tensor>& c, const char* op) {
   EPIFUSE_CHECK(a.has_value() == c.has_value(), "epifuse::", op,
-              ": pass both a and c, or neither (plain softmax)");
+              ": pass both a and c, or neither (no affine)");
   if (!a) return {};
   return {column_vector(*a, z.size(1), op, "a", z), column_vector(*c, z.size(1), op, "c", z)};
 }

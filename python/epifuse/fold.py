@@ -13,6 +13,7 @@ against, and it is tested against ``nn.BatchNorm1d`` directly.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -113,6 +114,66 @@ def fold_eval(bias: Optional[Tensor], gamma: Tensor, beta: Tensor,
     return Fold(a, c, mean, var)
 
 
+# --------------------------------------------------------------------------- activation
+#
+# The head's activation acts on h = a * z + c (after a scale after BatchNorm), before the softmax.
+# Names as HeadConfig's (cpp/ops/ops.cpp, kActivations, in this order); float64 as everything here.
+
+ACTIVATIONS = ("", "relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_TANH_K = 0.044715
+
+
+def check_activation(activation: str, op: str) -> None:
+    """The ops' ValueError for a name HeadConfig does not know."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"epifuse::{op}: unknown activation '{activation}' (expected '', 'relu', "
+                         f"'leaky_relu', 'gelu', 'gelu_tanh' or 'silu')")
+
+
+def activate(h: Tensor, activation: str, negative_slope: float = 0.01) -> Tensor:
+    """act(h) in float64, as PyTorch's modules define it."""
+    h = h.to(_F64)
+    if activation == "":
+        return h
+    if activation == "relu":
+        return h.clamp_min(0.0)
+    if activation == "leaky_relu":
+        return torch.where(h > 0, h, h * negative_slope)
+    if activation == "gelu":
+        return 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))
+    if activation == "gelu_tanh":
+        return 0.5 * h * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (h + _GELU_TANH_K * h ** 3)))
+    if activation == "silu":
+        return h * torch.sigmoid(h)
+    check_activation(activation, "activate")
+    raise AssertionError("unreachable")
+
+
+def activation_grad(h: Tensor, activation: str, negative_slope: float = 0.01) -> Tensor:
+    """d act / d h at h in float64 (ReLU's at 0 is 0, LeakyReLU's negative_slope, as PyTorch's)."""
+    h = h.to(_F64)
+    if activation == "":
+        return torch.ones_like(h)
+    if activation == "relu":
+        return (h > 0).to(_F64)
+    if activation == "leaky_relu":
+        return torch.where(h > 0, torch.ones_like(h), torch.full_like(h, negative_slope))
+    if activation == "gelu":
+        return 0.5 * (1.0 + torch.erf(h / math.sqrt(2.0))) + h * torch.exp(-0.5 * h * h) / math.sqrt(
+            2.0 * math.pi)
+    if activation == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (h + _GELU_TANH_K * h ** 3))
+        return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+            1.0 + 3.0 * _GELU_TANH_K * h * h)
+    if activation == "silu":
+        s = torch.sigmoid(h)
+        return s * (1.0 + h * (1.0 - s))
+    check_activation(activation, "activation_grad")
+    raise AssertionError("unreachable")
+
+
 def update_factor(momentum: Optional[float],
                   num_batches_tracked: Union[int, Tensor]) -> Union[float, Tensor]:
     """nn.BatchNorm's averaging factor; ``num_batches_tracked`` is the count *before* this batch.
@@ -188,18 +249,27 @@ def moments_vector(mean: Tensor, var: Tensor, count: Union[int, float, Tensor]) 
     return torch.cat([mean, var.to(_F64), count_t.reshape(1)])
 
 
-def dv_of(grad: Tensor, out: Optional[Tensor]) -> Tensor:
-    """Gradient at the softmax's input (float64); ``out`` None: no softmax, ``grad`` itself."""
+def dv_of(grad: Tensor, out: Optional[Tensor], h: Optional[Tensor] = None,
+          activation: str = "", negative_slope: float = 0.01) -> Tensor:
+    """Gradient at the head's affine output ``h = a * z + c`` (float64): through the softmax
+    (``out`` its output; None: no softmax, ``grad`` itself), then through the activation at h."""
     g = grad.detach().to(_F64)
     if out is None:
-        return g
-    o = out.detach().to(_F64)
-    return o * (g - (g * o).sum(1, keepdim=True))
+        dv = g
+    else:
+        o = out.detach().to(_F64)
+        dv = o * (g - (g * o).sum(1, keepdim=True))
+    if activation:
+        if h is None:
+            raise ValueError(f"activation {activation!r} needs h = a * z + c")
+        dv = dv * activation_grad(h, activation, negative_slope)
+    return dv
 
 
-def grad_sums(grad: Tensor, out: Optional[Tensor], z: Tensor) -> Tensor:
+def grad_sums(grad: Tensor, out: Optional[Tensor], z: Tensor, h: Optional[Tensor] = None,
+              activation: str = "", negative_slope: float = 0.01) -> Tensor:
     """``[S1(N), S3(N), M]`` in float64: column sums of dv and dv * z over this batch's rows."""
-    dv = dv_of(grad, out)
+    dv = dv_of(grad, out, h, activation, negative_slope)
     z64 = z.detach().to(_F64)
     return torch.cat([dv.sum(0), (dv * z64).sum(0), dv.new_full((1,), float(z.shape[0]))])
 
@@ -287,6 +357,8 @@ def grad_coefficients(sums: Tensor, global_sums: Optional[Tensor], colsum: Optio
 
 
 def grad_z(grad: Tensor, out: Optional[Tensor], z: Tensor, A: Tensor, B: Tensor,
-           C: Tensor) -> Tensor:
+           C: Tensor, h: Optional[Tensor] = None, activation: str = "",
+           negative_slope: float = 0.01) -> Tensor:
     """``dz = A * dv + B * z + C`` in float64."""
-    return A.to(_F64) * dv_of(grad, out) + B.to(_F64) * z.detach().to(_F64) + C.to(_F64)
+    dv = dv_of(grad, out, h, activation, negative_slope)
+    return A.to(_F64) * dv + B.to(_F64) * z.detach().to(_F64) + C.to(_F64)

@@ -34,6 +34,12 @@ class HeadConfig(NamedTuple):
     scale_before_bn: bool = False
     # A row softmax ends the head (problem 84).
     softmax: bool = False
+    # The activation after the per-column affine (and a scale after BatchNorm), before the
+    # softmax: '' (none), 'relu', 'leaky_relu', 'gelu', 'gelu_tanh' (GELU approximate='tanh') or
+    # 'silu' (fold.ACTIVATIONS).
+    activation: str = ""
+    # LeakyReLU's slope for negative inputs (its default); the other activations ignore it.
+    negative_slope: float = 0.01
     # BatchNorm's momentum for the running-statistics update (None: cumulative average). The
     # functional fused_head carries it unused; head.py passes it to bn_fold_train.
     momentum: Optional[float] = 0.1

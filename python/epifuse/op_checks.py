@@ -100,7 +100,7 @@ def check_matrix(z: Tensor, op: str) -> None:
 
 def check_optional_affine(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], op: str) -> None:
     if (a is None) != (c is None):
-        raise RuntimeError(f"epifuse::{op}: pass both a and c, or neither (plain softmax)")
+        raise RuntimeError(f"epifuse::{op}: pass both a and c, or neither (no affine)")
     if a is not None:
         check_column_vector(a, z.shape[1], op, "a")
         check_column_vector(c, z.shape[1], op, "c")

@@ -120,27 +120,36 @@ def bn_fold_eval(bias: Optional[Tensor], gamma: Tensor, beta: Tensor, pre_scale:
 
 
 def affine_softmax(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], *,
+                   activation: str = _D.activation, negative_slope: float = _D.negative_slope,
                    out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    """``softmax(a * z + c, dim=1)`` into a new tensor (a, c None: identity).
+    """``softmax(act(a * z + c), dim=1)`` into a new tensor (a, c None: identity; ``activation``
+    a HeadConfig name, '' none).
 
     Its dtype is ``out_dtype``: z's (None), or float32 from a 16-bit z (autocast).
     """
-    return _affine_softmax(z, a, c, out_dtype=out_dtype)
+    return _affine_softmax(z, a, c, activation=activation, negative_slope=negative_slope,
+                           out_dtype=out_dtype)
 
 
-def affine_softmax_(z: Tensor, a: Optional[Tensor], c: Optional[Tensor]) -> None:
-    """In-place ``z = softmax(a * z + c, dim=1)``."""
-    _affine_softmax_inplace(z, a, c)
+def affine_softmax_(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], *,
+                    activation: str = _D.activation,
+                    negative_slope: float = _D.negative_slope) -> None:
+    """In-place ``z = softmax(act(a * z + c), dim=1)``."""
+    _affine_softmax_inplace(z, a, c, activation=activation, negative_slope=negative_slope)
 
 
-def affine_(z: Tensor, a: Tensor, c: Tensor) -> None:
-    """In-place ``z = a * z + c``."""
-    _affine_inplace(z, a, c)
+def affine_(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], *,
+            activation: str = _D.activation, negative_slope: float = _D.negative_slope) -> None:
+    """In-place ``z = act(a * z + c)`` (a, c None: the activation alone)."""
+    _affine_inplace(z, a, c, activation=activation, negative_slope=negative_slope)
 
 
-def affine(z: Tensor, a: Tensor, c: Tensor, *, out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    """``a * z + c`` into a new tensor of ``out_dtype`` (z's, or float32 from a 16-bit z)."""
-    return _affine(z, a, c, out_dtype=out_dtype)
+def affine(z: Tensor, a: Tensor, c: Tensor, *, activation: str = _D.activation,
+           negative_slope: float = _D.negative_slope,
+           out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``act(a * z + c)`` into a new tensor of ``out_dtype`` (z's, or float32 from a 16-bit z)."""
+    return _affine(z, a, c, activation=activation, negative_slope=negative_slope,
+                   out_dtype=out_dtype)
 
 
 def bn_fold_batch(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
@@ -163,10 +172,14 @@ def softmax_grad_rowdot(grad: Tensor, out: Tensor) -> Tensor:
     return _softmax_grad_rowdot(grad, out)
 
 
-def head_grad_sums(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor],
-                   z: Tensor) -> Tensor:
-    """``[S1(N), S3(N), M]`` float64: column sums of dv and dv * z (dv from grad, out, rowdot)."""
-    return _head_grad_sums(grad, out, rowdot, z)
+def head_grad_sums(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor], z: Tensor,
+                   a: Optional[Tensor] = None, c: Optional[Tensor] = None, *,
+                   activation: str = _D.activation,
+                   negative_slope: float = _D.negative_slope) -> Tensor:
+    """``[S1(N), S3(N), M]`` float64: column sums of dv and dv * z (dv from grad, out, rowdot;
+    with an activation times act'(a * z + c), a and c the forward's fold)."""
+    return _head_grad_sums(grad, out, rowdot, z, a, c, activation=activation,
+                           negative_slope=negative_slope)
 
 
 def head_grad_coefficients(sums: Tensor, global_sums: Optional[Tensor],
@@ -185,9 +198,12 @@ def head_grad_coefficients(sums: Tensor, global_sums: Optional[Tensor],
 
 
 def head_grad_z(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor], z: Tensor,
-                coef: Tensor) -> Tensor:
-    """``dz = A * dv + B * z + C``, dtype of z."""
-    return _head_grad_z(grad, out, rowdot, z, coef)
+                coef: Tensor, a: Optional[Tensor] = None, c: Optional[Tensor] = None, *,
+                activation: str = _D.activation,
+                negative_slope: float = _D.negative_slope) -> Tensor:
+    """``dz = A * dv + B * z + C``, dtype of z (dv as head_grad_sums')."""
+    return _head_grad_z(grad, out, rowdot, z, coef, a, c, activation=activation,
+                        negative_slope=negative_slope)
 
 
 def backward_matmul(a: Tensor, b: Tensor, precision: str, *,
@@ -257,10 +273,11 @@ def _bn_fold_eval_cpu(bias, gamma, beta, pre_scale, post_scale, running_mean, ru
     return f.a.float(), f.c.float()
 
 
-def _affine_softmax64(z, a, c, op):
+def _affine_softmax64(z, a, c, op, activation, negative_slope):
     _checks.check_matrix(z, op)
+    fold.check_activation(activation, op)
     _checks.check_optional_affine(z, a, c, op)
-    return torch.softmax(_affine64(z, a, c), dim=1)
+    return torch.softmax(fold.activate(_affine64(z, a, c), activation, negative_slope), dim=1)
 
 
 def _out_dtype(z: Tensor, out_dtype: Optional[torch.dtype], op: str) -> torch.dtype:
@@ -274,30 +291,35 @@ def _out_dtype(z: Tensor, out_dtype: Optional[torch.dtype], op: str) -> torch.dt
 
 
 @torch.library.register_kernel("epifuse::affine_softmax", "cpu")
-def _affine_softmax_cpu(z, a, c, *, out_dtype=None):
+def _affine_softmax_cpu(z, a, c, *, activation=_D.activation, negative_slope=_D.negative_slope,
+                        out_dtype=None):
     dtype = _out_dtype(z, out_dtype, "affine_softmax")
-    return _affine_softmax64(z, a, c, "affine_softmax").to(dtype)
+    return _affine_softmax64(z, a, c, "affine_softmax", activation, negative_slope).to(dtype)
 
 
 @torch.library.register_kernel("epifuse::affine_softmax_", "cpu")
-def _affine_softmax_inplace_cpu(z, a, c):
-    z.copy_(_affine_softmax64(z, a, c, "affine_softmax_"))
+def _affine_softmax_inplace_cpu(z, a, c, *, activation=_D.activation,
+                                negative_slope=_D.negative_slope):
+    z.copy_(_affine_softmax64(z, a, c, "affine_softmax_", activation, negative_slope))
 
 
 @torch.library.register_kernel("epifuse::affine_", "cpu")
-def _affine_inplace_cpu(z, a, c):
+def _affine_inplace_cpu(z, a, c, *, activation=_D.activation, negative_slope=_D.negative_slope):
     _checks.check_matrix(z, "affine_")
-    _checks.check_column_vector(a, z.shape[1], "affine_", "a")
-    _checks.check_column_vector(c, z.shape[1], "affine_", "c")
-    z.copy_(_affine64(z, a, c))
+    fold.check_activation(activation, "affine_")
+    _checks.check_optional_affine(z, a, c, "affine_")
+    z.copy_(fold.activate(_affine64(z, a, c), activation, negative_slope))
 
 
 @torch.library.register_kernel("epifuse::affine", "cpu")
-def _affine_cpu(z, a, c, *, out_dtype=None):
+def _affine_cpu(z, a, c, *, activation=_D.activation, negative_slope=_D.negative_slope,
+                out_dtype=None):
     if z.dim() != 2:
         raise RuntimeError(f"epifuse: expected a 2-D tensor, got {z.dim()}-D")
+    fold.check_activation(activation, "affine")
     dtype = _out_dtype(z, out_dtype, "affine")
-    return _affine64(z, a, c).to(dtype).contiguous()  # the CUDA kernel's layout
+    y = fold.activate(_affine64(z, a, c), activation, negative_slope)
+    return y.to(dtype).contiguous()  # the CUDA kernel's layout
 
 
 @torch.library.register_kernel("epifuse::bn_fold_batch", "cpu")
@@ -329,10 +351,25 @@ def _dv_inputs(grad, out, rowdot):
     return grad, out
 
 
+def _activation_h(z, a, c, activation, op):
+    """h = a * z + c in float64 for the activation's derivative (None without an activation)."""
+    fold.check_activation(activation, op)
+    if not activation:
+        return None
+    if a is None or c is None:
+        raise RuntimeError(f"epifuse::{op}: activation '{activation}' needs a and c (the "
+                           f"forward's fold)")
+    _checks.check_column_vector(a, z.shape[1], op, "a")
+    _checks.check_column_vector(c, z.shape[1], op, "c")
+    return _affine64(z, a, c)
+
+
 @torch.library.register_kernel("epifuse::head_grad_sums", "cpu")
-def _head_grad_sums_cpu(grad, out, rowdot, z):
+def _head_grad_sums_cpu(grad, out, rowdot, z, a=None, c=None, *, activation=_D.activation,
+                        negative_slope=_D.negative_slope):
     _check_grad_operands(grad, z, out)
-    return fold.grad_sums(*_dv_inputs(grad, out, rowdot), z)
+    h = _activation_h(z, a, c, activation, "head_grad_sums")
+    return fold.grad_sums(*_dv_inputs(grad, out, rowdot), z, h, activation, negative_slope)
 
 
 def _param_grad(values: Tensor, like: Optional[Tensor]) -> Tensor:
@@ -358,9 +395,13 @@ def _head_grad_coefficients_cpu(sums, global_sums, colsum, colsumsq, moments, bi
 
 
 @torch.library.register_kernel("epifuse::head_grad_z", "cpu")
-def _head_grad_z_cpu(grad, out, rowdot, z, coef):
+def _head_grad_z_cpu(grad, out, rowdot, z, coef, a=None, c=None, *, activation=_D.activation,
+                     negative_slope=_D.negative_slope):
     _check_grad_operands(grad, z, out)
-    return fold.grad_z(*_dv_inputs(grad, out, rowdot), z, *coef.unbind(0)).to(z.dtype).contiguous()
+    h = _activation_h(z, a, c, activation, "head_grad_z")
+    dz = fold.grad_z(*_dv_inputs(grad, out, rowdot), z, *coef.unbind(0), h, activation,
+                     negative_slope)
+    return dz.to(z.dtype).contiguous()
 
 
 @torch.library.register_kernel("epifuse::backward_matmul", "cpu")
@@ -408,23 +449,26 @@ def _bn_fold_eval_fake(bias, gamma, beta, pre_scale, post_scale, running_mean, r
 
 
 @torch.library.register_fake("epifuse::affine_softmax")
-def _affine_softmax_fake(z, a, c, *, out_dtype=None):
+def _affine_softmax_fake(z, a, c, *, activation=_D.activation, negative_slope=_D.negative_slope,
+                         out_dtype=None):
     torch._check(z.dim() == 2, lambda: "z must be 2-D")
     return z.new_empty(z.shape, dtype=out_dtype or z.dtype)
 
 
 @torch.library.register_fake("epifuse::affine_softmax_")
-def _affine_softmax_inplace_fake(z, a, c):
+def _affine_softmax_inplace_fake(z, a, c, *, activation=_D.activation,
+                                 negative_slope=_D.negative_slope):
     return None
 
 
 @torch.library.register_fake("epifuse::affine_")
-def _affine_inplace_fake(z, a, c):
+def _affine_inplace_fake(z, a, c, *, activation=_D.activation, negative_slope=_D.negative_slope):
     return None
 
 
 @torch.library.register_fake("epifuse::affine")
-def _affine_fake(z, a, c, *, out_dtype=None):
+def _affine_fake(z, a, c, *, activation=_D.activation, negative_slope=_D.negative_slope,
+                 out_dtype=None):
     torch._check(z.dim() == 2, lambda: "z must be 2-D")
     return z.new_empty(z.shape, dtype=out_dtype or z.dtype)
 
@@ -443,7 +487,8 @@ def _softmax_grad_rowdot_fake(grad, out):
 
 
 @torch.library.register_fake("epifuse::head_grad_sums")
-def _head_grad_sums_fake(grad, out, rowdot, z):
+def _head_grad_sums_fake(grad, out, rowdot, z, a=None, c=None, *, activation=_D.activation,
+                         negative_slope=_D.negative_slope):
     torch._check(z.dim() == 2, lambda: "z must be 2-D")
     return z.new_empty((2 * z.shape[1] + 1,), dtype=_F64)
 
@@ -461,7 +506,8 @@ def _head_grad_coefficients_fake(sums, global_sums, colsum, colsumsq, moments, b
 
 
 @torch.library.register_fake("epifuse::head_grad_z")
-def _head_grad_z_fake(grad, out, rowdot, z, coef):
+def _head_grad_z_fake(grad, out, rowdot, z, coef, a=None, c=None, *, activation=_D.activation,
+                      negative_slope=_D.negative_slope):
     torch._check(z.dim() == 2, lambda: "z must be 2-D")
     return z.new_empty(z.shape)
 

@@ -9,14 +9,15 @@ IN, HID, OUT = 12, 10, 8
 
 
 def sequential() -> nn.Module:
-    """Two chains, one nested; softmax by nn.Softmax(dim=1)."""
+    """Two chains, one nested; the first ends in an nn.ReLU, the second in nn.Softmax(dim=1)."""
     return nn.Sequential(nn.Linear(IN, HID), nn.BatchNorm1d(HID), nn.ReLU(),
                          nn.Sequential(nn.Linear(HID, OUT), nn.BatchNorm1d(OUT),
                                        nn.Softmax(dim=1)))
 
 
 class Custom(nn.Module):
-    """Attribute names of its own; scales before and after the BatchNorm; torch.softmax(-1)."""
+    """Attribute names of its own; scales before and after the BatchNorm; torch.relu after the
+    first, torch.softmax(-1) after the second."""
 
     def __init__(self):
         super().__init__()

@@ -119,14 +119,15 @@ def test_gradients_match_the_modules_cpu(fused_on_cpu, variant, training):
 
 
 def test_fuse_takes_a_projection_mlp_with_an_affine_free_last_batchnorm(fused_on_cpu, op_calls):
-    """The self-supervised projection head (SimCLR / MoCo v3): every Linear -> BatchNorm fused."""
+    """The self-supervised projection head (SimCLR / MoCo v3): every Linear -> BatchNorm fused,
+    the ReLUs inside the first two heads."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, 32), nn.BatchNorm1d(32), nn.ReLU(inplace=True),
                           nn.Linear(32, 32), nn.BatchNorm1d(32), nn.ReLU(inplace=True),
                           nn.Linear(32, OUT, bias=False), nn.BatchNorm1d(OUT, affine=False))
     original = copy.deepcopy(model)
     _, report = epifuse.fuse(model)
-    assert [f.where for f in report.fused] == ["0 -> 1", "3 -> 4", "6 -> 7"]
+    assert [f.where for f in report.fused] == ["0 -> 1 -> relu", "3 -> 4 -> relu", "6 -> 7"]
     assert report.skipped == []
     x = torch.rand(ROWS, IN)
     with torch.no_grad():

@@ -58,20 +58,21 @@ def _run_both(original, model, training, steps=3):
 
 def test_sequential_chains_are_fused(fused_on_cpu, op_calls):
     original, model, report = _fused_pair(sequential)
-    assert [f.where for f in report.fused] == ["0 -> 1", "3.0 -> 3.1 -> softmax(dim=1)"]
+    assert [f.where for f in report.fused] == ["0 -> 1 -> relu", "3.0 -> 3.1 -> softmax(dim=1)"]
     assert report.skipped == []
     assert type(model) is nn.Sequential and len(model) == 4  # indices and length unchanged
     _run_both(original, model, training=True)
     assert op_calls == (TRAIN_OPS + ["affine_"] + TRAIN_OPS + ["affine_softmax_"]) * 3
     op_calls.clear()
     _run_both(original, model, training=False)
-    assert op_calls == (EVAL_OPS + EVAL_OPS + ["affine_softmax_"]) * 3
+    # The first head's ReLU: a pass of its own after the GEMM's affine epilogue.
+    assert op_calls == (EVAL_OPS + ["affine_"] + EVAL_OPS + ["affine_softmax_"]) * 3
 
 
 def test_custom_module_with_scales_is_fused(fused_on_cpu, op_calls):
     original, model, report = _fused_pair(Custom)
     assert [f.where for f in report.fused] == [
-        "proj -> * gain -> norm", "out -> out_norm -> * temperature -> softmax(dim=-1)"]
+        "proj -> * gain -> norm -> relu", "out -> out_norm -> * temperature -> softmax(dim=-1)"]
     assert isinstance(model, Custom)
     for training in (True, False):
         _run_both(original, model, training)

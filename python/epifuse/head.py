@@ -7,7 +7,9 @@ A "head" module has the attributes of the reference models: ``gemm``
 epifuse ops:
 
   no autograd   train: gemm_colstats -> bn_fold_train (updates running stats) -> affine[_softmax]_
-                eval:  bn_fold_eval -> gemm_affine (-> in-place softmax)
+                       (the activation, if any, inside the last pass)
+                eval:  bn_fold_eval -> gemm_affine (-> in-place [activation +] softmax, or
+                       in-place activation)
                 (in place, nothing saved)
   autograd or   the differentiable op epifuse::fused_head (cpp/ops/fused_head.cpp: out of place, saves z
   synchronized  for its fused backward), then the running-statistics update
@@ -17,8 +19,9 @@ Anything else runs the reference module sequence, so results (and PyTorch's
 own error messages for bad input) are those of the reference model.
 
 The settings travel as one ``HeadConfig`` (head_config.py): the model's spec gives where the
-scale sits and whether a softmax ends the head, each forward adds the precision, the BatchNorm's
-mode, momentum and eps, and the process group; the ops get them as keyword arguments.
+scale sits, the activation after it and whether a softmax ends the head, each forward adds the
+precision, the BatchNorm's mode, momentum and eps, and the process group; the ops get them as
+keyword arguments.
 """
 
 from __future__ import annotations
@@ -48,10 +51,31 @@ def _range(name: str):
 _FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-# A model's spec: a HeadConfig of which the model sets where the ``scale`` sits and whether a
-# softmax ends the head (``HeadSpec(scale_before_bn=True, softmax=False)``: problem 39); run_head
-# fills in the rest from the module at each forward.
+# A model's spec: a HeadConfig of which the model sets where the ``scale`` sits, the activation
+# (and its negative_slope) and whether a softmax ends the head
+# (``HeadSpec(scale_before_bn=True, softmax=False)``: problem 39); run_head fills in the rest from
+# the module at each forward.
 HeadSpec = HeadConfig
+
+
+# The activations a head applies after its affine (and a scale after BatchNorm), by their
+# HeadConfig name, computed as their nn modules do: the reference paths' math. The slope argument
+# is LeakyReLU's negative_slope; the others ignore it.
+_ACTIVATIONS: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "": lambda y, slope: y,
+    "relu": lambda y, slope: F.relu(y),
+    "leaky_relu": lambda y, slope: F.leaky_relu(y, slope),
+    "gelu": lambda y, slope: F.gelu(y),
+    "gelu_tanh": lambda y, slope: F.gelu(y, approximate="tanh"),
+    "silu": lambda y, slope: F.silu(y),
+}
+# '' is no activation; the order is HeadConfig's (cpp/ops/ops.cpp, kActivations).
+ACTIVATION_NAMES = tuple(_ACTIVATIONS)
+
+
+def apply_activation(y: Tensor, name: str, negative_slope: float = 0.01) -> Tensor:
+    """The activation ``name`` (a HeadConfig name, '' none) of y, as its nn module computes it."""
+    return _ACTIVATIONS[name](y, negative_slope)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -202,7 +226,8 @@ def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
     tracks_running_stats = parts.running_mean is not None
     config = HeadConfig(precision=resolve_precision(module.precision, x.dtype),
                         training=_batch_statistics(parts), scale_before_bn=spec.scale_before_bn,
-                        softmax=spec.softmax, momentum=bn.momentum, eps=bn.eps,
+                        softmax=spec.softmax, activation=spec.activation,
+                        negative_slope=spec.negative_slope, momentum=bn.momentum, eps=bn.eps,
                         group_name="" if group is None else group.group_name,
                         has_scale=spec.has_scale)
     parts = _bn_defaults(parts)
@@ -277,10 +302,12 @@ def _fused_forward(x: Tensor, parts: _Parts, config: HeadConfig,
                                             p.beta, pre, post, eps=config.eps)
         if config.softmax:
             with _range("epifuse.softmax"):
-                ops.affine_softmax_(z, a, c)
+                ops.affine_softmax_(z, a, c, activation=config.activation,
+                                    negative_slope=config.negative_slope)
         else:
             with _range("epifuse.affine"):
-                ops.affine_(z, a, c)
+                ops.affine_(z, a, c, activation=config.activation,
+                            negative_slope=config.negative_slope)
         return z
     with _range("epifuse.fold"):
         a, c = ops.bn_fold_eval(p.bias, p.gamma, p.beta, pre, post, p.running_mean,
@@ -289,7 +316,13 @@ def _fused_forward(x: Tensor, parts: _Parts, config: HeadConfig,
         y = ops.gemm_affine(x, p.weight, a, c, config.precision)
     if config.softmax:
         with _range("epifuse.softmax"):
-            ops.affine_softmax_(y, None, None)
+            ops.affine_softmax_(y, None, None, activation=config.activation,
+                                negative_slope=config.negative_slope)
+    elif config.activation:
+        # A pass of its own over y for now; the GEMM's epilogue could apply it after the affine.
+        with _range("epifuse.activation"):
+            ops.affine_(y, None, None, activation=config.activation,
+                        negative_slope=config.negative_slope)
     return y
 
 
@@ -299,7 +332,8 @@ def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_va
                                                  Tensor]] = None) -> Tensor:
     """The head's math in plain PyTorch ops, without touching running statistics.
 
-    Of ``config`` it reads where the scale sits, the softmax, ``training`` and ``eps``.
+    Of ``config`` it reads where the scale sits, the activation (after the scale, before the
+    softmax), the softmax, ``training`` and ``eps``.
 
     ``batch_norm(u, gamma, beta)``, if given, replaces the training-mode
     BatchNorm (the synchronized reference path passes nn.SyncBatchNorm's).
@@ -316,6 +350,7 @@ def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_va
         y = F.batch_norm(y, running_mean, running_var, gamma, beta, False, 0.0, eps)
     if not config.scale_before_bn:
         y = scale * y
+    y = apply_activation(y, config.activation, config.negative_slope)
     if config.softmax:
         y = torch.softmax(y, dim=1)
     return y

@@ -1,23 +1,25 @@
-"""Public modules: a ``Linear -> BatchNorm1d [-> scale] [-> softmax]`` head you build yourself.
+"""Public modules: a ``Linear -> BatchNorm1d [-> scale] [-> activation] [-> softmax]`` head you
+build yourself.
 
 ``FusedLinearBatchNorm`` takes existing ``nn.Linear`` / ``nn.BatchNorm1d``
-modules (and optionally a scale tensor) and runs them through
-``head.run_head``, the fused path of the KernelBench ``ModelNew`` classes: on
-a GPU the library was built for, one GEMM with a fused epilogue, the fold
-kernel and (with ``softmax=True``) one softmax pass; anywhere else the same
+modules (and optionally a scale tensor and an activation: ReLU, LeakyReLU,
+GELU, SiLU) and runs them through ``head.run_head``, the fused path of the
+KernelBench ``ModelNew`` classes: on a GPU the library was built for, one GEMM
+with a fused epilogue, the fold kernel and one pass that applies the affine,
+the activation and (with ``softmax=True``) the softmax; anywhere else the same
 modules called one after the other. ``epifuse.fuse(model)`` builds the
 borrowing variant (``epifuse.fusion.chain``) for chains it finds in a model.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from .distributed import configure_sync_batchnorm
-from .head import HeadSpec, run_head
+from .head import ACTIVATION_NAMES, HeadSpec, apply_activation, run_head
 from .precision import validate_precision
 from .scripting import NotScriptable
 
@@ -25,6 +27,75 @@ SCALE_POSITIONS = ("before_bn", "after_bn")
 # BatchNorm modules the head can stand in for on 2-D input. SyncBatchNorm outside an
 # initialized process group is BatchNorm1d; inside one, run_head synchronizes the statistics.
 BATCH_NORMS = (nn.BatchNorm1d, nn.SyncBatchNorm)
+# LeakyReLU's default slope: HeadConfig's negative_slope default, which the other activations
+# keep (tests/test_activations.py checks that the two agree).
+DEFAULT_NEGATIVE_SLOPE = 0.01
+_GELU_NAMES = {"none": "gelu", "tanh": "gelu_tanh"}
+_SUPPORTED_MODULES = "nn.ReLU, nn.LeakyReLU, nn.GELU (approximate='none' or 'tanh') or nn.SiLU"
+
+
+def activation_of_module(module: object) -> Optional[tuple[str, float]]:
+    """(HeadConfig name, negative_slope) of an activation module the head can apply; None for any
+    other object. The types are matched exactly: a subclass may compute something else. Their
+    ``inplace`` flag does not matter, the head's output is a tensor of its own."""
+    kind = type(module)
+    if kind is nn.ReLU:
+        return "relu", DEFAULT_NEGATIVE_SLOPE
+    if kind is nn.LeakyReLU:
+        slope = module.negative_slope
+        if isinstance(slope, (int, float)) and not isinstance(slope, bool):
+            return "leaky_relu", float(slope)
+        return None
+    if kind is nn.GELU and module.approximate in _GELU_NAMES:
+        return _GELU_NAMES[module.approximate], DEFAULT_NEGATIVE_SLOPE
+    if kind is nn.SiLU:
+        return "silu", DEFAULT_NEGATIVE_SLOPE
+    return None
+
+
+def describe_activation(name: str, negative_slope: float = DEFAULT_NEGATIVE_SLOPE) -> str:
+    """An activation as the report and repr print it, in PyTorch's spelling: ``relu``,
+    ``leaky_relu(negative_slope=0.2)``, ``gelu(approximate='tanh')``; '' is ``none``."""
+    if name == "leaky_relu":
+        return f"leaky_relu(negative_slope={negative_slope})"
+    if name == "gelu_tanh":
+        return "gelu(approximate='tanh')"
+    return name or "none"
+
+
+def resolve_activation(activation: Optional[Union[str, nn.Module]],
+                       negative_slope: Optional[float]) -> tuple[str, float]:
+    """(name, negative_slope) of FusedLinearBatchNorm's ``activation`` / ``negative_slope``
+    arguments; TypeError / ValueError (PyTorch style) for anything the head cannot apply."""
+    if negative_slope is not None and (isinstance(negative_slope, bool)
+                                       or not isinstance(negative_slope, (int, float))):
+        raise TypeError(f"negative_slope must be a float or None, got "
+                        f"{type(negative_slope).__name__}")
+    if activation is None:
+        name, slope = "", DEFAULT_NEGATIVE_SLOPE
+    elif isinstance(activation, str):
+        if activation not in ACTIVATION_NAMES:
+            names = ", ".join(repr(n) for n in ACTIVATION_NAMES if n)
+            raise ValueError(f"activation must be None, one of {names} or an activation module, "
+                             f"got {activation!r}")
+        name, slope = activation, DEFAULT_NEGATIVE_SLOPE
+    elif isinstance(activation, nn.Module):
+        found = activation_of_module(activation)
+        if found is None:
+            raise ValueError(f"activation {activation!r} is not one the head can apply; expected "
+                             f"{_SUPPORTED_MODULES}")
+        name, slope = found
+    else:
+        raise TypeError(f"activation must be None, a str or an nn.Module, got "
+                        f"{type(activation).__name__}")
+    if negative_slope is not None:
+        # An nn.LeakyReLU brings its own slope, and no other activation has one: a second,
+        # ignored value would be a silent mistake.
+        if not (isinstance(activation, str) and activation == "leaky_relu"):
+            raise ValueError(f"negative_slope is for activation='leaky_relu' only, got "
+                             f"activation={activation!r}")
+        slope = float(negative_slope)
+    return name, slope
 
 
 def check_head_parts(linear: nn.Module, batch_norm: nn.Module, scale: Optional[Tensor],
@@ -61,6 +132,8 @@ def head_reference(module: nn.Module, x: Tensor) -> Tensor:
     y = module.bn(y)
     if module.has_scale and module.scale_position == "after_bn":
         y = y * module.scale
+    if module.activation:  # the activation module's math; it holds no state
+        y = apply_activation(y, module.activation, module.negative_slope)
     if module.softmax_dim is not None:
         y = torch.softmax(y, module.softmax_dim)
     return y
@@ -70,16 +143,22 @@ class HeadModule(NotScriptable, nn.Module):
     """What both fused head modules share: the spec, the precision and the forward.
 
     Subclasses provide ``gemm``, ``bn``, ``scale`` (a ones(1) stand-in when the
-    head has none: the fold multiplies by it exactly) and ``has_scale``.
+    head has none: the fold multiplies by it exactly) and ``has_scale``. The
+    activation is kept by name (``activation``, '' for none, and ``negative_slope``),
+    not as a module: the activations hold no state.
     """
 
     def _configure(self, scale_position: str, softmax_dim: Optional[int],
-                   precision: Optional[str]) -> None:
+                   precision: Optional[str], activation: str = "",
+                   negative_slope: float = DEFAULT_NEGATIVE_SLOPE) -> None:
         self.precision = validate_precision(precision)
         self.scale_position = scale_position
         self.softmax_dim = softmax_dim
+        self.activation = activation
+        self.negative_slope = negative_slope
         self._spec = HeadSpec(scale_before_bn=scale_position == "before_bn",
-                              softmax=softmax_dim is not None, has_scale=self.has_scale)
+                              softmax=softmax_dim is not None, activation=activation,
+                              negative_slope=negative_slope, has_scale=self.has_scale)
         configure_sync_batchnorm(self, False, None)  # epifuse.convert_sync_batchnorm flips it
 
     def forward(self, x: Tensor) -> Tensor:
@@ -88,11 +167,13 @@ class HeadModule(NotScriptable, nn.Module):
     def extra_repr(self) -> str:
         scale = self.scale_position if self.has_scale else "none"
         softmax = "none" if self.softmax_dim is None else f"dim={self.softmax_dim}"
-        return f"scale={scale}, softmax={softmax}, precision={self.precision}"
+        activation = describe_activation(self.activation, self.negative_slope)
+        return (f"scale={scale}, activation={activation}, softmax={softmax}, "
+                f"precision={self.precision}")
 
 
 class FusedLinearBatchNorm(HeadModule):
-    """``Linear -> BatchNorm1d [-> scale] [-> softmax(dim=1)]`` as one fused head.
+    """``Linear -> BatchNorm1d [-> scale] [-> activation] [-> softmax(dim=1)]`` as one fused head.
 
     Args:
         linear: the ``nn.Linear`` (kept as the submodule ``gemm``).
@@ -103,6 +184,13 @@ class FusedLinearBatchNorm(HeadModule):
             ``nn.Parameter`` stays a parameter (``scale``), any other tensor becomes a buffer.
         scale_position: ``"after_bn"`` (``bn(z) * scale``, KernelBench 84) or ``"before_bn"``
             (``bn(z * scale)``, KernelBench 39).
+        activation: applied after the BatchNorm and the scale, before the softmax: None, a name
+            (``"relu"``, ``"leaky_relu"``, ``"gelu"``, ``"gelu_tanh"``: GELU with
+            ``approximate='tanh'``, ``"silu"``) or a module: ``nn.ReLU``, ``nn.LeakyReLU``
+            (its ``negative_slope``), ``nn.GELU`` (``approximate='none'`` or ``'tanh'``),
+            ``nn.SiLU`` (``inplace`` either way). Kept by name (``activation``); a module
+            given is not held.
+        negative_slope: LeakyReLU's slope for ``activation="leaky_relu"`` (default 0.01).
         softmax: end with ``softmax(dim=1)``.
         precision: fp32 GEMM policy, ``"ieee" | "3xtf32" | "tf32"`` or None (follow
             ``torch.get_float32_matmul_precision()``, as ``nn.Linear`` does).
@@ -115,10 +203,13 @@ class FusedLinearBatchNorm(HeadModule):
     """
 
     def __init__(self, linear: nn.Linear, batch_norm: nn.Module, scale: Optional[Tensor] = None,
-                 *, scale_position: str = "after_bn", softmax: bool = False,
+                 *, scale_position: str = "after_bn",
+                 activation: Optional[Union[str, nn.Module]] = None,
+                 negative_slope: Optional[float] = None, softmax: bool = False,
                  precision: Optional[str] = None):
         super().__init__()
         check_head_parts(linear, batch_norm, scale, scale_position)
+        name, slope = resolve_activation(activation, negative_slope)
         if not isinstance(softmax, bool):
             raise TypeError(f"softmax must be a bool, got {type(softmax).__name__}")
         self.gemm = linear
@@ -130,7 +221,8 @@ class FusedLinearBatchNorm(HeadModule):
             self.register_buffer("scale", scale)
         else:  # not state: the head's math needs a tensor, a ones(1) is exact
             self.register_buffer("scale", linear.weight.new_ones(1).detach(), persistent=False)
-        self._configure(scale_position, 1 if softmax else None, precision)
+        self._configure(scale_position, 1 if softmax else None, precision, name, slope)
 
 
-__all__ = ["FusedLinearBatchNorm", "check_head_parts", "head_reference"]
+__all__ = ["FusedLinearBatchNorm", "activation_of_module", "check_head_parts",
+           "describe_activation", "head_reference", "resolve_activation"]

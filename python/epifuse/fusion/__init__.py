@@ -2,9 +2,10 @@
 
 The model's forward is traced with ``torch.fx`` (``nn.Sequential`` and
 custom modules alike; nested modules are traced through). Every
-``Linear -> [x scale] -> BatchNorm1d -> [x scale] -> [softmax(dim=1|-1)]``
-chain found is replaced, in the traced forward, by one ``FusedChain`` call
-(``fusion.chain``), and the model's ``forward`` becomes that traced forward.
+``Linear -> [x scale] -> BatchNorm1d -> [x scale] -> [activation] -> [softmax(dim=1|-1)]``
+chain found (activation: ReLU, LeakyReLU, GELU, SiLU) is replaced, in the
+traced forward, by one ``FusedChain`` call (``fusion.chain``), and the model's
+``forward`` becomes that traced forward.
 
 Nothing else about the model changes: same class, same submodules, same
 parameter and buffer objects, so ``state_dict()`` keys and values, optimizers
@@ -102,15 +103,20 @@ def _fuse(module: nn.Module, path: str, precision: Optional[str], report: FuseRe
 
 
 def fuse(model: nn.Module, *, precision: Optional[str] = None) -> tuple[nn.Module, FuseReport]:
-    """Fuse every ``Linear -> BatchNorm1d [-> scale] [-> softmax]`` chain of ``model``, in place.
+    """Fuse every ``Linear -> BatchNorm1d [-> scale] [-> activation] [-> softmax]`` chain of
+    ``model``, in place.
 
     A chain is an ``nn.Linear`` whose output feeds only an ``nn.BatchNorm1d``
     (or ``nn.SyncBatchNorm``; any variant: ``affine=False``, ``track_running_stats=False``,
     ``momentum=None``; the Linear with or without bias),
     optionally multiplied before or after the BatchNorm by a parameter or
-    buffer of shape ``(1,)`` or ``(out_features,)``, and optionally followed
-    by a softmax over dim 1 or -1 (``nn.Softmax``, ``torch.softmax``,
-    ``F.softmax``, ``Tensor.softmax``).
+    buffer of shape ``(1,)`` or ``(out_features,)``, optionally followed by an
+    activation (``nn.ReLU``, ``nn.LeakyReLU``, ``nn.GELU`` with ``approximate``
+    ``'none'`` or ``'tanh'``, ``nn.SiLU``, or their functional forms ``F.relu``,
+    ``torch.relu``, ``Tensor.relu``, ``F.leaky_relu``, ``F.gelu``, ``F.silu``,
+    in place or not) whose output has no other reader, and optionally by a
+    softmax over dim 1 or -1 (``nn.Softmax``, ``torch.softmax``, ``F.softmax``,
+    ``Tensor.softmax``). Any other activation stays outside the chain.
 
     Returns ``(model, report)``: the same model object, and a ``FuseReport``
     listing the chains fused and the near misses left with their reason.

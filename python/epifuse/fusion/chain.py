@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ..nn import HeadModule
+from ..nn import DEFAULT_NEGATIVE_SLOPE, HeadModule
 
 
 class Slot(NamedTuple):
@@ -35,22 +35,25 @@ def slot_of(root: nn.Module, target: str) -> Slot:
 
 
 class FusedChain(HeadModule):
-    """A fused ``Linear -> BatchNorm1d [-> scale] [-> softmax]`` over borrowed modules.
+    """A fused ``Linear -> BatchNorm1d [-> scale] [-> activation] [-> softmax]`` over borrowed
+    modules.
 
     Built by ``epifuse.fuse``; users who build heads themselves want
     ``epifuse.nn.FusedLinearBatchNorm``. ``where`` is the chain as the report
-    prints it.
+    prints it. The activation comes by name (``activation``, '' for none; see
+    ``HeadModule``): an activation module holds no state to borrow.
     """
 
     def __init__(self, gemm: Slot, bn: Slot, scale: Optional[Slot], scale_position: str,
-                 softmax_dim: Optional[int], precision: Optional[str], where: str):
+                 softmax_dim: Optional[int], precision: Optional[str], where: str,
+                 activation: str = "", negative_slope: float = DEFAULT_NEGATIVE_SLOPE):
         super().__init__()
         # Plain attributes, not submodules: the model already owns these modules.
         self._gemm_slot, self._bn_slot, self._scale_slot = gemm, bn, scale
         self.has_scale = scale is not None
         self.where = where
         self._unit: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-        self._configure(scale_position, softmax_dim, precision)
+        self._configure(scale_position, softmax_dim, precision, activation, negative_slope)
 
     @property
     def gemm(self) -> nn.Module:

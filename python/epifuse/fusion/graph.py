@@ -1,4 +1,5 @@
-"""Finding ``Linear -> [x scale] -> BatchNorm1d -> [x scale] -> [softmax]`` in an fx graph.
+"""Finding ``Linear -> [x scale] -> BatchNorm1d -> [x scale] -> [activation] -> [softmax]`` in an
+fx graph.
 
 ``match_chains`` walks a traced graph from every ``nn.Linear`` call and
 returns the chains it can fuse plus the near misses (a feature-count mismatch,
@@ -16,12 +17,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..nn import BATCH_NORMS
+from ..nn import BATCH_NORMS, DEFAULT_NEGATIVE_SLOPE, activation_of_module, describe_activation
 from .chain import FusedChain, slot_of
 from .report import Fused, Skipped
 
 _MULS = (operator.mul, torch.mul)
 _SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax)
+# The activation functions and Tensor methods fuse() takes: target -> (activation, the arguments
+# after the input that may be positional, those that may only be keywords). Python functions of
+# torch.nn.functional reach the graph with every argument as a keyword, builtins as written.
+# ``inplace`` is accepted and ignored: its input, the BatchNorm's output, has no other reader.
+_ACTIVATION_FUNCTIONS = {
+    F.relu: ("relu", ("inplace",), ()),
+    torch.relu: ("relu", (), ()),
+    torch.relu_: ("relu", (), ()),  # also F.relu_
+    F.leaky_relu: ("leaky_relu", ("negative_slope", "inplace"), ()),
+    F.leaky_relu_: ("leaky_relu", ("negative_slope",), ()),
+    F.gelu: ("gelu", (), ("approximate",)),
+    F.silu: ("silu", ("inplace",), ()),
+}
+_ACTIVATION_METHODS = {"relu": ("relu", (), ()), "relu_": ("relu", (), ())}
 
 
 @dataclass
@@ -33,6 +48,8 @@ class Match:
     bn: str
     scale: Optional[str] = None  # get_attr target
     scale_position: str = "after_bn"
+    activation: str = ""  # HeadConfig's name, '' none
+    negative_slope: float = DEFAULT_NEGATIVE_SLOPE
     softmax_dim: Optional[int] = None
     notes: list[str] = field(default_factory=list)
     prefix: str = ""  # the traced module's path in the model, for the report
@@ -46,6 +63,8 @@ class Match:
         parts.append(p + self.bn)
         if self.scale and self.scale_position == "after_bn":
             parts.append(f"* {p}{self.scale}")
+        if self.activation:
+            parts.append(describe_activation(self.activation, self.negative_slope))
         if self.softmax_dim is not None:
             parts.append(f"softmax(dim={self.softmax_dim})")
         return " -> ".join(parts)
@@ -96,6 +115,45 @@ def _softmax_dim(modules: dict[str, nn.Module], node: fx.Node, source: fx.Node):
         return False, None  # a dtype-casting softmax is not the head's
     dim = node.args[1] if len(node.args) == 2 else kwargs.get("dim")
     return True, dim
+
+
+def _activation(modules: dict[str, nn.Module], node: fx.Node,
+                source: fx.Node) -> Optional[tuple[str, float]]:
+    """(HeadConfig name, negative_slope) if node is a supported activation of source alone:
+    nn.ReLU / LeakyReLU / GELU / SiLU, F.relu, torch.relu, Tensor.relu, F.leaky_relu,
+    F.gelu(approximate='none' | 'tanh'), F.silu (and their in-place forms)."""
+    if node.op == "call_module":
+        module = _module(modules, node)
+        return activation_of_module(module) if _only_input(node, source) else None
+    if node.op == "call_function":
+        entry = _ACTIVATION_FUNCTIONS.get(node.target)
+    elif node.op == "call_method":
+        entry = _ACTIVATION_METHODS.get(node.target)
+    else:
+        entry = None
+    if entry is None or not node.args or node.args[0] is not source:
+        return None
+    name, positional, keywords = entry
+    if len(node.args) - 1 > len(positional):
+        return None
+    settings = dict(zip(positional, node.args[1:]))
+    for key, value in node.kwargs.items():
+        if key in settings or key not in positional + keywords:
+            return None
+        settings[key] = value
+    if any(isinstance(v, fx.Node) for v in settings.values()):
+        return None  # a setting computed in the graph: not a constant the head can take
+    if name == "gelu":
+        approximate = settings.get("approximate", "none")
+        return ({"none": ("gelu", DEFAULT_NEGATIVE_SLOPE),
+                 "tanh": ("gelu_tanh", DEFAULT_NEGATIVE_SLOPE)}.get(approximate)
+                if isinstance(approximate, str) else None)
+    if name == "leaky_relu":
+        slope = settings.get("negative_slope", DEFAULT_NEGATIVE_SLOPE)
+        if isinstance(slope, bool) or not isinstance(slope, (int, float)):
+            return None
+        return name, float(slope)
+    return name, DEFAULT_NEGATIVE_SLOPE
 
 
 def _bn_problem(bn: nn.Module, n: int) -> Optional[str]:
@@ -155,6 +213,17 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
             match.scale, match.scale_position = post, "after_bn"
             match.nodes.append(nxt)
             cur, nxt = nxt, _sole_user(nxt)
+    act = _activation(modules, nxt, cur) if nxt is not None else None
+    if act is not None and len(nxt.users) > 1:
+        # A shared activation stays the model's own (a conservative rule: fusing it would be
+        # exact too, every reader getting the head's output), and so does any softmax after it.
+        match.notes.append(f"{describe_activation(*act)} left unfused: its output has "
+                           f"{len(nxt.users)} consumers")
+        nxt = None
+    elif act is not None:
+        match.activation, match.negative_slope = act
+        match.nodes.append(nxt)
+        cur, nxt = nxt, _sole_user(nxt)
     if nxt is not None:
         is_softmax, dim = _softmax_dim(modules, nxt, cur)
         if is_softmax and dim in (1, -1):
@@ -164,7 +233,8 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
             match.notes.append(f"softmax over dim {dim} left unfused (only the feature "
                                f"dimension, 1 or -1, fuses)")
     elif len(cur.users) > 1:
-        match.notes.append(f"output used by {len(cur.users)} consumers; any softmax left unfused")
+        match.notes.append(f"output used by {len(cur.users)} consumers; any activation or "
+                           f"softmax left unfused")
     return match
 
 
@@ -202,7 +272,8 @@ def rewrite(root: nn.Module, graph: fx.Graph, matches: list[Match],
         name = f"epifuse_head_{i}"
         chains[name] = FusedChain(slot_of(root, m.linear), slot_of(root, m.bn),
                                   slot_of(root, m.scale) if m.scale else None, m.scale_position,
-                                  m.softmax_dim, precision, m.where)
+                                  m.softmax_dim, precision, m.where, m.activation,
+                                  m.negative_slope)
         first, last = m.nodes[0], m.nodes[-1]
         with graph.inserting_after(last):
             call = graph.call_module(name, args=first.args)

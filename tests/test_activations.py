@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import epifuse
-from epifuse import head
+from epifuse import fold, head
 from epifuse.head_config import HeadConfig
 from epifuse.nn import DEFAULT_NEGATIVE_SLOPE, FusedLinearBatchNorm
 from helpers import FUSED_NODE, rel_err
@@ -242,6 +242,7 @@ def test_activation_argument_forms(given, name, slope):
 
 
 def test_activation_names_and_defaults_agree():
+    assert head.ACTIVATION_NAMES == fold.ACTIVATIONS  # the reference math's (the ops') names
     assert head.ACTIVATION_NAMES == ("", "relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
     assert DEFAULT_NEGATIVE_SLOPE == HeadConfig().negative_slope == nn.LeakyReLU().negative_slope
     assert HeadConfig().activation == ""

@@ -1,8 +1,9 @@
 // out[m, n] = act(a[n] * in[m, n] + c[n]), in place (in == out) or into a new tensor: the
 // training-mode epilogue of a head without softmax (with its activation, activation.cuh), applied
-// once the batch statistics (and so a, c) are known (out of place when the backward keeps z). One read and one write per element, 16-byte vectors when the
-// rows allow it. The output may be wider than the input (a 16-bit z written as the fp32 output of a
-// head under autocast): a thread then moves the input's 16 bytes and as many output elements.
+// once the batch statistics (and so a, c) are known (out of place when the backward keeps z). One
+// read and one write per element, 16-byte vectors when the rows allow it. The output may be wider
+// than the input (a 16-bit z written as the fp32 output of a head under autocast): a thread then
+// moves the input's 16 bytes and as many output elements.
 // Each thread owns one vector of columns for a band of rows: it loads its kVec (a, c) pairs once
 // and then streams the band with kUnroll loads in flight, so the pass is bound by DRAM bandwidth
 // rather than by per-element parameter loads or index arithmetic.

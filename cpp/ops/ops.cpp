@@ -500,7 +500,9 @@ at::ScalarType pass_out_dtype(const at::Tensor& z, std::optional<at::ScalarType>
   return out;
 }
 
-const float* floats_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+const float* floats_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<float>() : nullptr;
+}
 
 void softmax_into(const at::Tensor& src, const at::Tensor& dst, const AffinePair& ac,
                   Activation act) {
@@ -833,8 +835,10 @@ TORCH_LIBRARY(epifuse, m) {
   // out_dtype: the output's dtype, z's (None) or float32 from a 16-bit z (autocast).
   // The row passes: the affine, the activation and (affine_softmax) the row softmax.
   const std::string activation = head_schema_kwargs({"activation", "negative_slope"});
-  const std::string activation_out = head_schema_kwargs({"activation", "negative_slope", "out_dtype"});
-  m.def(("affine_softmax(Tensor z, Tensor? a, Tensor? c, " + activation_out + ") -> Tensor").c_str());
+  const std::string activation_out =
+      head_schema_kwargs({"activation", "negative_slope", "out_dtype"});
+  m.def(("affine_softmax(Tensor z, Tensor? a, Tensor? c, " + activation_out + ") -> Tensor")
+            .c_str());
   m.def(("affine_softmax_(Tensor(a!) z, Tensor? a, Tensor? c, " + activation + ") -> ()").c_str());
   m.def(("affine_(Tensor(a!) z, Tensor? a, Tensor? c, " + activation + ") -> ()").c_str());
   m.def(("affine(Tensor z, Tensor a, Tensor c, " + activation_out + ") -> Tensor").c_str());

@@ -161,8 +161,8 @@ def activation_grad(h: Tensor, activation: str, negative_slope: float = 0.01) ->
     if activation == "leaky_relu":
         return torch.where(h > 0, torch.ones_like(h), torch.full_like(h, negative_slope))
     if activation == "gelu":
-        return 0.5 * (1.0 + torch.erf(h / math.sqrt(2.0))) + h * torch.exp(-0.5 * h * h) / math.sqrt(
-            2.0 * math.pi)
+        pdf = torch.exp(-0.5 * h * h) / math.sqrt(2.0 * math.pi)
+        return 0.5 * (1.0 + torch.erf(h / math.sqrt(2.0))) + h * pdf
     if activation == "gelu_tanh":
         t = torch.tanh(_SQRT_2_OVER_PI * (h + _GELU_TANH_K * h ** 3))
         return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
+
+import epifuse
 
 IN, HID, OUT = 12, 10, 8
 
@@ -70,12 +74,27 @@ class Untraceable(nn.Module):
 
 @torch.no_grad()
 def randomize_bn_(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Non-default BatchNorm parameters and running statistics (a swapped term shows)."""
+    """Non-default BatchNorm parameters and running statistics, whichever a BatchNorm has (a
+    swapped term shows)."""
     g = torch.Generator().manual_seed(seed)
     for m in model.modules():
-        if isinstance(m, nn.BatchNorm1d) and m.affine:
+        if not isinstance(m, nn.BatchNorm1d):
+            continue
+        if m.affine:
             m.weight.copy_(torch.rand(m.num_features, generator=g) + 0.5)
             m.bias.copy_(torch.rand(m.num_features, generator=g) - 0.5)
+        if m.track_running_stats:
             m.running_mean.copy_(torch.rand(m.num_features, generator=g) - 0.5)
             m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
     return model
+
+
+def fused_pair(build):
+    """(original, fused, report): a model from ``build()`` with randomized BatchNorms, a copy of
+    it, and the model after epifuse.fuse (in place)."""
+    torch.manual_seed(0)
+    model = randomize_bn_(build())
+    original = copy.deepcopy(model)
+    fused, report = epifuse.fuse(model)
+    assert fused is model
+    return original, model, report

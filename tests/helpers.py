@@ -163,3 +163,55 @@ def assert_row_op_rejects_bad_arguments(op_name: str, device, own_cases) -> None
         with pytest.raises(RuntimeError, match=pattern):
             f(*args)
     assert torch.equal(z, z0)
+
+
+def float64_errors(model: nn.Module, twin: nn.Module, x: torch.Tensor, grad: torch.Tensor, *,
+                   name_of=lambda name: name, bias_cancels: bool = False,
+                   autocast: Optional[torch.dtype] = None):
+    """(output, {name: relative error}) of a head's output, dX and every parameter gradient
+    against ``twin``, its float64 copy; errors are keyed by ``name_of(parameter name)`` (one
+    naming for a fused head and the unfused modules). ``bias_cancels``: the head normalizes with batch statistics, whose mean cancels the
+    Linear bias, so that bias's gradient is 0 and its error is measured against the scale of the
+    weight's gradient instead of its own (rounding noise). ``autocast``: the model's forward runs
+    under torch.autocast to that dtype."""
+    xs = [x.clone().requires_grad_(), x.double().requires_grad_()]
+    with torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        y = model(xs[0])
+    y64 = twin(xs[1])
+    y.backward(grad.to(y.dtype)), y64.backward(grad.double())
+    errors = {"out": rel_err(y, y64), "dx": rel_err(xs[0].grad, xs[1].grad)}
+    twin_params = {name_of(n): q for n, q in twin.named_parameters()}
+    params = {name_of(n): p for n, p in model.named_parameters()}
+    assert set(twin_params) == set(params)
+    for name, p in params.items():
+        q = twin_params[name]
+        if name == "gemm.bias" and bias_cancels:
+            scale = twin_params["gemm.weight"].grad.norm()
+            errors[name] = ((p.grad.double() - q.grad).norm() / scale).item()
+        else:
+            errors[name] = rel_err(p.grad, q.grad)
+    return y, errors
+
+
+def assert_no_farther_from_float64_than_eager(ref: nn.Module, new: nn.Module, x: torch.Tensor,
+                                              grad: torch.Tensor, same_state, **kw) -> None:
+    """The fused head ``new`` (its fused backward asserted) against the unfused ``ref`` built from
+    the same modules: output and every gradient no farther from float64 than eager's (1.25x +
+    1e-6), running statistics as ``ref``'s (``same_state(new, ref)``), and the no-grad path too.
+    ``kw``: float64_errors's (name_of, bias_cancels, autocast)."""
+    twin = copy.deepcopy(ref).double()
+    twin_again = copy.deepcopy(twin)  # the first twin's running statistics move once
+    y_new, err_new = float64_errors(new, twin, x, grad, **kw)
+    assert y_new.grad_fn.name() == FUSED_NODE
+    y_ref, err_eager = float64_errors(ref, twin_again, x, grad, **kw)
+    assert y_new.dtype == y_ref.dtype
+    for name, e in err_new.items():
+        assert e <= 1.25 * err_eager[name] + 1e-6, (name, err_new, err_eager)
+    same_state(new, ref)
+    autocast = kw.get("autocast")
+    with torch.no_grad(), torch.autocast("cuda", dtype=autocast or torch.bfloat16,
+                                         enabled=autocast is not None):
+        y_new, y_ref = new(x), ref(x)  # the in-place path (no autograd)
+    y64 = twin_again(x.double())
+    assert y_new.dtype == y_ref.dtype
+    assert rel_err(y_new, y64) <= 1.25 * rel_err(y_ref, y64) + 1e-6

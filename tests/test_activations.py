@@ -20,7 +20,8 @@ import epifuse
 from epifuse import fold, head
 from epifuse.head_config import HeadConfig
 from epifuse.nn import DEFAULT_NEGATIVE_SLOPE, FusedLinearBatchNorm
-from helpers import FUSED_NODE, rel_err
+from fuse_models import fused_pair, randomize_bn_
+from helpers import FUSED_NODE, assert_no_farther_from_float64_than_eager, rel_err
 
 IN, OUT, ROWS = 24, 16, 32
 CUDA = torch.device("cuda")
@@ -63,18 +64,6 @@ class Unfused(nn.Module):
         return torch.softmax(y, dim=1) if self.softmax else y
 
 
-@torch.no_grad()
-def _randomize_bn_(bn: nn.BatchNorm1d) -> nn.BatchNorm1d:
-    g = torch.Generator().manual_seed(3)
-    if bn.affine:
-        bn.weight.copy_(torch.rand(bn.weight.shape, generator=g) + 0.5)
-        bn.bias.copy_(torch.rand(bn.bias.shape, generator=g) - 0.5)
-    if bn.track_running_stats:
-        bn.running_mean.copy_(torch.rand(bn.running_mean.shape, generator=g) - 0.5)
-        bn.running_var.copy_(torch.rand(bn.running_var.shape, generator=g) + 0.5)
-    return bn
-
-
 def _signed_scale(n: int) -> nn.Parameter:
     # Some columns negative: relu(s * y) != s * relu(y) there, so the order of scale and
     # activation shows.
@@ -88,7 +77,7 @@ def _pair(head_id: str, act_id: str, softmax: bool, device="cpu", in_f=IN, out_f
     bn_kwargs, position = HEADS[head_id]
     make_act, _ = ACTIVATIONS[act_id]
     torch.manual_seed(0)
-    lin, bn = nn.Linear(in_f, out_f), _randomize_bn_(nn.BatchNorm1d(out_f, **bn_kwargs))
+    lin, bn = nn.Linear(in_f, out_f), randomize_bn_(nn.BatchNorm1d(out_f, **bn_kwargs), seed=3)
     scale = _signed_scale(out_f) if position else None
     act = make_act()
     ref = Unfused(copy.deepcopy(lin), copy.deepcopy(bn), copy.deepcopy(scale), position, act,
@@ -188,7 +177,7 @@ def test_reference_head_applies_the_activation_after_the_scale(act_id, training)
     make_act, name = ACTIVATIONS[act_id]
     act = make_act()
     torch.manual_seed(0)
-    lin, bn = nn.Linear(IN, OUT), _randomize_bn_(nn.BatchNorm1d(OUT))
+    lin, bn = nn.Linear(IN, OUT), randomize_bn_(nn.BatchNorm1d(OUT), seed=3)
     scale = _signed_scale(OUT)
     x = torch.rand(ROWS, IN)
     config = HeadConfig(training=training, softmax=True, activation=name,
@@ -243,6 +232,7 @@ def test_activation_argument_forms(given, name, slope):
 
 def test_activation_names_and_defaults_agree():
     assert head.ACTIVATION_NAMES == fold.ACTIVATIONS  # the reference math's (the ops') names
+    assert tuple(head._ACTIVATIONS) == fold.ACTIVATIONS  # the reference path has each of them
     assert head.ACTIVATION_NAMES == ("", "relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
     assert DEFAULT_NEGATIVE_SLOPE == HeadConfig().negative_slope == nn.LeakyReLU().negative_slope
     assert HeadConfig().activation == ""
@@ -368,23 +358,6 @@ class ActivationNearMisses(nn.Module):
         return a + b + c + d + e
 
 
-@torch.no_grad()
-def _randomize_all_bns_(model: nn.Module) -> nn.Module:
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm1d):
-            _randomize_bn_(m)
-    return model
-
-
-def _fused_pair(build):
-    torch.manual_seed(0)
-    model = _randomize_all_bns_(build())
-    original = copy.deepcopy(model)
-    fused, report = epifuse.fuse(model)
-    assert fused is model
-    return original, model, report
-
-
 def _called_modules(model: nn.Module) -> set[str]:
     """The submodules the fused forward (fx's GraphModule) still calls."""
     graph = model.forward.__self__.graph
@@ -434,7 +407,7 @@ def _gradients_match(original, model, training):
 
 
 def test_fuse_takes_the_projection_mlp_with_its_relus(fused_on_cpu, op_calls):
-    original, model, report = _fused_pair(projection_mlp)
+    original, model, report = fused_pair(projection_mlp)
     assert [f.where for f in report.fused] == ["0 -> 1 -> relu", "3 -> 4 -> relu", "6 -> 7"]
     assert report.skipped == [] and all(not f.note for f in report.fused)
     assert [h.activation for h in model._epifuse_heads] == ["relu", "relu", ""]
@@ -451,7 +424,7 @@ def test_fuse_takes_the_projection_mlp_with_its_relus(fused_on_cpu, op_calls):
 
 
 def test_fuse_takes_the_classifier_with_its_gelu(fused_on_cpu, op_calls):
-    original, model, report = _fused_pair(classifier)
+    original, model, report = fused_pair(classifier)
     assert [f.where for f in report.fused] == ["0 -> 1 -> gelu", "3 -> 4 -> softmax(dim=1)"]
     assert report.skipped == []
     assert [h.activation for h in model._epifuse_heads] == ["gelu", ""]
@@ -468,7 +441,7 @@ def test_fuse_takes_the_classifier_with_its_gelu(fused_on_cpu, op_calls):
 
 
 def test_fuse_takes_the_functional_forms(fused_on_cpu, op_calls):
-    original, model, report = _fused_pair(lambda: Forms(FUNCTIONAL_FORMS))
+    original, model, report = fused_pair(lambda: Forms(FUNCTIONAL_FORMS))
     assert [f.where for f in report.fused] == _expected_forms(FUNCTIONAL_FORMS)
     assert report.skipped == [] and all(not f.note for f in report.fused)
     graph = model.forward.__self__.graph
@@ -481,7 +454,7 @@ def test_fuse_takes_the_functional_forms(fused_on_cpu, op_calls):
 
 
 def test_fuse_takes_the_inplace_forms(fused_on_cpu, op_calls):
-    original, model, report = _fused_pair(lambda: Forms(INPLACE_FORMS))
+    original, model, report = fused_pair(lambda: Forms(INPLACE_FORMS))
     assert [f.where for f in report.fused] == _expected_forms(INPLACE_FORMS)
     for training in (True, False):
         _forward_both(original, model, training)
@@ -489,7 +462,7 @@ def test_fuse_takes_the_inplace_forms(fused_on_cpu, op_calls):
 
 
 def test_activations_fuse_leaves_outside(fused_on_cpu, op_calls):
-    original, model, report = _fused_pair(ActivationNearMisses)
+    original, model, report = fused_pair(ActivationNearMisses)
     fused = {f.where: f.note for f in report.fused}
     assert list(fused) == ["shared -> shared_bn", "tanh -> tanh_bn", "elu -> elu_bn",
                            "residual -> residual_bn", "cols -> cols_bn -> gelu"]
@@ -510,29 +483,6 @@ def test_activations_fuse_leaves_outside(fused_on_cpu, op_calls):
 
 # --------------------------------------------------------------------------- GPU
 
-def _oracle_errors(model: nn.Module, twin: nn.Module, x: torch.Tensor, grad: torch.Tensor,
-                   autocast: bool = False):
-    """Relative errors vs the float64 twin of the output, dX and every parameter gradient, and
-    the output. Under batch statistics the Linear bias's gradient is 0 (the batch mean cancels
-    it): its error is measured against the scale of the weight's gradient instead of its own."""
-    xs = [x.clone().requires_grad_(), x.double().requires_grad_()]
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        y = model(xs[0])
-    y64 = twin(xs[1])
-    y.backward(grad.to(y.dtype)), y64.backward(grad.double())
-    errors = {"out": rel_err(y, y64), "dx": rel_err(xs[0].grad, xs[1].grad)}
-    batch_stats = twin.bn.training or not twin.bn.track_running_stats
-    twin_params = dict(twin.named_parameters())
-    assert set(twin_params) == {name for name, _ in model.named_parameters()}
-    for name, p in model.named_parameters():
-        q = twin_params[name]
-        if name == "gemm.bias" and batch_stats:
-            errors[name] = ((p.grad.double() - q.grad).norm() / twin.gemm.weight.grad.norm()).item()
-        else:
-            errors[name] = rel_err(p.grad, q.grad)
-    return y, errors
-
-
 @pytest.mark.hopper
 @pytest.mark.parametrize("softmax", [False, True], ids=["", "softmax"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
@@ -540,23 +490,13 @@ def _oracle_errors(model: nn.Module, twin: nn.Module, x: torch.Tensor, grad: tor
 def test_activations_on_gpu_no_farther_from_float64_than_eager(act_id, training, softmax):
     # 1024 x 1024 -> 1024: at PyTorch's default precision the split 3xTF32 GEMM runs (Hopper).
     ref, new = _pair("bn", act_id, softmax, device="cuda", in_f=1024, out_f=1024)
-    twin = copy.deepcopy(ref).double()
-    for m in (ref, new, twin):
-        m.train(training)
+    ref.train(training), new.train(training)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.rand(1024, 1024, device="cuda", generator=g)
     grad = torch.randn(1024, 1024, device="cuda", generator=g)
     assert head.fast_path_reason(new, x) is None
-    y_new, err_new = _oracle_errors(new, twin, x, grad)
-    assert y_new.grad_fn.name() == FUSED_NODE
-    twin_again = copy.deepcopy(ref).double()  # the twin's running statistics moved once already
-    _, err_eager = _oracle_errors(ref, twin_again, x, grad)
-    for name, e in err_new.items():
-        assert e <= 1.25 * err_eager[name] + 1e-6, (name, err_new, err_eager)
-    _assert_same_state(new, ref)  # running statistics updated as BatchNorm's
-    with torch.no_grad():  # the in-place path (no autograd) too
-        y_new, y_ref, y64 = new(x), ref(x), twin_again(x.double())
-        assert rel_err(y_new, y64) <= 1.25 * rel_err(y_ref, y64) + 1e-6
+    assert_no_farther_from_float64_than_eager(ref, new, x, grad, _assert_same_state,
+                                              bias_cancels=training)
 
 
 @pytest.mark.hopper
@@ -564,30 +504,26 @@ def test_activations_on_gpu_no_farther_from_float64_than_eager(act_id, training,
 @pytest.mark.parametrize("act_id", ACTIVATIONS)
 def test_activations_under_bf16_autocast_no_farther_from_float64_than_eager(act_id, softmax):
     ref, new = _pair("bn", act_id, softmax, device="cuda", in_f=1024, out_f=1024)
-    twin = copy.deepcopy(ref).double()
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.rand(1024, 1024, device="cuda", generator=g)
     grad = torch.randn(1024, 1024, device="cuda", generator=g)
-    y_new, err_new = _oracle_errors(new, twin, x, grad, autocast=True)
-    assert y_new.grad_fn.name() == FUSED_NODE
-    y_ref, err_eager = _oracle_errors(ref, copy.deepcopy(twin), x, grad, autocast=True)
-    # The dtype eager gives: the activation keeps bf16, a softmax returns fp32.
-    assert y_new.dtype == y_ref.dtype == (torch.float32 if softmax else torch.bfloat16)
-    for name, e in err_new.items():
-        assert e <= 1.25 * err_eager[name] + 1e-6, (name, err_new, err_eager)
-    _assert_same_state(new, ref, tol=1e-3)  # statistics of the bf16 GEMM's output, both
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        y_new, y_ref = new(x), ref(x)
-    y64 = twin(x.double())
-    assert y_new.dtype == y_ref.dtype
-    assert rel_err(y_new, y64) <= 1.25 * rel_err(y_ref, y64) + 1e-6
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        # The dtype eager gives: the activation keeps bf16, a softmax returns fp32.
+        assert new(x).dtype == ref(x).dtype == (torch.float32 if softmax else torch.bfloat16)
+    ref, new = _pair("bn", act_id, softmax, device="cuda", in_f=1024, out_f=1024)  # fresh stats
+
+    def same_state(a, b):  # statistics of the bf16 GEMM's output, both
+        _assert_same_state(a, b, tol=1e-3)
+
+    assert_no_farther_from_float64_than_eager(ref, new, x, grad, same_state, bias_cancels=True,
+                                              autocast=torch.bfloat16)
 
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("build", [projection_mlp, classifier], ids=["projection", "classifier"])
 def test_fuse_on_gpu_runs_the_activations_fused(build, op_calls):
     torch.manual_seed(0)
-    model = _randomize_all_bns_(build()).to(CUDA)
+    model = randomize_bn_(build()).to(CUDA)
     original = copy.deepcopy(model)
     _, report = epifuse.fuse(model, precision="ieee")
     g = torch.Generator(device=CUDA).manual_seed(0)

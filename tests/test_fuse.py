@@ -22,7 +22,8 @@ from torch import nn
 import epifuse
 from epifuse import head
 from epifuse.nn import FusedLinearBatchNorm
-from fuse_models import IN, OUT, Custom, NearMisses, Untraceable, randomize_bn_, sequential
+from fuse_models import (IN, OUT, Custom, NearMisses, Untraceable, fused_pair, randomize_bn_,
+                         sequential)
 from helpers import rel_err, traced_epifuse_ops
 
 CUDA = torch.device("cuda")
@@ -34,15 +35,6 @@ def fused_linear_biases(model: nn.Module, report) -> set[int]:
     """ids of the biases of the Linear layers that fused heads feed into BatchNorm."""
     linears = [model.get_submodule(f.where.split(" -> ")[0]) for f in report.fused]
     return {id(m.bias) for m in linears if m.bias is not None}
-
-
-def _fused_pair(build):
-    torch.manual_seed(0)
-    model = randomize_bn_(build())
-    original = copy.deepcopy(model)
-    fused, report = epifuse.fuse(model)
-    assert fused is model
-    return original, model, report
 
 
 def _run_both(original, model, training, steps=3):
@@ -57,7 +49,7 @@ def _run_both(original, model, training, steps=3):
 
 
 def test_sequential_chains_are_fused(fused_on_cpu, op_calls):
-    original, model, report = _fused_pair(sequential)
+    original, model, report = fused_pair(sequential)
     assert [f.where for f in report.fused] == ["0 -> 1 -> relu", "3.0 -> 3.1 -> softmax(dim=1)"]
     assert report.skipped == []
     assert type(model) is nn.Sequential and len(model) == 4  # indices and length unchanged
@@ -70,7 +62,7 @@ def test_sequential_chains_are_fused(fused_on_cpu, op_calls):
 
 
 def test_custom_module_with_scales_is_fused(fused_on_cpu, op_calls):
-    original, model, report = _fused_pair(Custom)
+    original, model, report = fused_pair(Custom)
     assert [f.where for f in report.fused] == [
         "proj -> * gain -> norm -> relu", "out -> out_norm -> * temperature -> softmax(dim=-1)"]
     assert isinstance(model, Custom)
@@ -80,7 +72,7 @@ def test_custom_module_with_scales_is_fused(fused_on_cpu, op_calls):
 
 
 def test_near_misses_are_reported_and_left_alone(fused_on_cpu, op_calls):
-    original, model, report = _fused_pair(NearMisses)
+    original, model, report = fused_pair(NearMisses)
     reasons = {s.where: s.reason for s in report.skipped}
     assert "2 consumers" in reasons["shared"]
     assert "plain -> plain_bn" not in reasons  # an affine-free BatchNorm fuses (weight 1, bias 0)
@@ -94,7 +86,7 @@ def test_near_misses_are_reported_and_left_alone(fused_on_cpu, op_calls):
 
 
 def test_untraceable_module_is_searched_inside(fused_on_cpu, op_calls):
-    original, model, report = _fused_pair(Untraceable)
+    original, model, report = fused_pair(Untraceable)
     assert [f.where for f in report.fused] == ["head.0 -> head.1"]
     assert "cannot be traced" in report.skipped[0].reason
     _run_both(original, model, training=True)
@@ -135,7 +127,7 @@ def test_state_dict_and_optimizer_keep_the_same_tensors(build, fused_on_cpu):
 
 
 def test_gradients_through_fused_chain(fused_on_cpu):
-    original, model, _ = _fused_pair(Custom)
+    original, model, _ = fused_pair(Custom)
     x = torch.rand(16, IN, requires_grad=True)
     y_new, y_ref = model(x), original(x)
     w = torch.randn_like(y_ref)
@@ -149,7 +141,7 @@ def test_gradients_through_fused_chain(fused_on_cpu):
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 def test_fused_model_copies(how, fused_on_cpu, op_calls):
-    original, model, _ = _fused_pair(Custom)
+    original, model, _ = fused_pair(Custom)
     clone = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
     head_ = clone._epifuse_heads[0]
     assert head_.gemm is clone.proj and head_.bn is clone.norm and head_.scale is clone.gain
@@ -160,7 +152,7 @@ def test_fused_model_copies(how, fused_on_cpu, op_calls):
 
 
 def test_fuse_twice_and_bad_arguments():
-    _, model, _ = _fused_pair(sequential)
+    _, model, _ = fused_pair(sequential)
     assert epifuse.fuse(model)[1].skipped[0].reason == "already fused"
     with pytest.raises(TypeError, match="nn.Module"):
         epifuse.fuse(lambda x: x)

@@ -69,8 +69,9 @@ _ACTIVATIONS: dict[str, Callable[[Tensor, float], Tensor]] = {
     "gelu_tanh": lambda y, slope: F.gelu(y, approximate="tanh"),
     "silu": lambda y, slope: F.silu(y),
 }
-# '' is no activation; the order is HeadConfig's (cpp/ops/ops.cpp, kActivations).
-ACTIVATION_NAMES = tuple(_ACTIVATIONS)
+# The names: fold.ACTIVATIONS ('' none; the C++ table's order). tests/test_activations.py checks
+# that _ACTIVATIONS has exactly these.
+ACTIVATION_NAMES = fold.ACTIVATIONS
 
 
 def apply_activation(y: Tensor, name: str, negative_slope: float = 0.01) -> Tensor:

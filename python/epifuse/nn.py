@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from .distributed import configure_sync_batchnorm
 from .head import ACTIVATION_NAMES, HeadSpec, apply_activation, run_head
+from .head_config import DEFAULT as HEAD_DEFAULTS
 from .precision import validate_precision
 from .scripting import NotScriptable
 
@@ -28,8 +29,8 @@ SCALE_POSITIONS = ("before_bn", "after_bn")
 # initialized process group is BatchNorm1d; inside one, run_head synchronizes the statistics.
 BATCH_NORMS = (nn.BatchNorm1d, nn.SyncBatchNorm)
 # LeakyReLU's default slope: HeadConfig's negative_slope default, which the other activations
-# keep (tests/test_activations.py checks that the two agree).
-DEFAULT_NEGATIVE_SLOPE = 0.01
+# keep (tests/test_activations.py checks it is nn.LeakyReLU's).
+DEFAULT_NEGATIVE_SLOPE = HEAD_DEFAULTS.negative_slope
 _GELU_NAMES = {"none": "gelu", "tanh": "gelu_tanh"}
 _SUPPORTED_MODULES = "nn.ReLU, nn.LeakyReLU, nn.GELU (approximate='none' or 'tanh') or nn.SiLU"
 

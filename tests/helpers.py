@@ -165,6 +165,17 @@ def assert_row_op_rejects_bad_arguments(op_name: str, device, own_cases) -> None
     assert torch.equal(z, z0)
 
 
+def fused_nodes(y: torch.Tensor) -> int:
+    """How many fused-head autograd nodes (FUSED_NODE) y's graph holds: the heads that ran fused."""
+    seen, stack = set(), [y.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is not None and fn not in seen:
+            seen.add(fn)
+            stack.extend(f for f, _ in fn.next_functions)
+    return sum(fn.name() == FUSED_NODE for fn in seen)
+
+
 def float64_errors(model: nn.Module, twin: nn.Module, x: torch.Tensor, grad: torch.Tensor, *,
                    name_of=lambda name: name, bias_cancels: bool = False,
                    autocast: Optional[torch.dtype] = None):

@@ -55,7 +55,11 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
 
     prec = _precision(dtype)
     return {
-        "gemm_affine": [case(x, w, a, c, prec)],
+        "gemm_affine": [case(x, w, a, c, prec), case(x, w, a, c, prec, activation="relu"),
+                        case(x, w, a, c, prec, activation="leaky_relu", negative_slope=0.2),
+                        case(x, w, a, c, prec, activation="gelu"),
+                        case(x, w, a, c, prec, activation="gelu_tanh"),
+                        case(x, w, a, c, prec, activation="silu")],
         "gemm_colstats": [case(x, w, prec)],
         "bn_fold_train": [
             case(colsum, colsumsq, m, bias, gamma, beta, None, s1, *stats(), momentum=0.1,

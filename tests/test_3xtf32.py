@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from epifuse import ops
+from epifuse import fold, ops
 from epifuse.head import fast_path_reason
 from helpers import PROBLEMS, rel_err
 
@@ -109,6 +109,26 @@ def test_nonfinite_rows_match_ieee():
     assert torch.equal(torch.isinf(y), torch.isinf(expected))
     finite = torch.isfinite(expected)
     assert rel_err(y[finite], expected.double()[finite]) <= 1e-6
+
+
+@hopper_only
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu"])
+def test_nonfinite_rows_repair_applies_the_activation(activation):
+    """The repair pass recomputes a non-finite row's act(a * acc + c), as the epilogue would have."""
+    x, w = _operands(1024, 1024, 1024)
+    x[3, 7] = float("inf")
+    x[10, 0] = float("-inf")
+    a = torch.rand(1024, device=CUDA) + 0.5
+    c = torch.randn(1024, device=CUDA)
+    kw = {"activation": activation, "negative_slope": 0.2}
+    assert _ran_split_gemm(lambda: ops.gemm_affine(x, w, a, c, "3xtf32", **kw))
+    y = ops.gemm_affine(x, w, a, c, "3xtf32", **kw)
+    expected = fold.activate(a.double() * _sgemm(x, w).double() + c.double(), activation, 0.2)
+    assert torch.equal(torch.isnan(y), torch.isnan(expected))
+    assert torch.equal(torch.isinf(y), torch.isinf(expected))
+    assert torch.equal(y[3] == 0, expected[3] == 0)  # ReLU's zeros of the -inf entries
+    finite = torch.isfinite(expected)
+    assert rel_err(y[finite], expected[finite]) <= 1e-6
 
 
 @hopper_only

@@ -206,6 +206,33 @@ def test_gemm_affine(kind, shape):
     assert rel_err(y, expected) <= tol
 
 
+# Shapes reaching each eval kernel form: the portable GEMM and pass (3, 17, 5: misaligned K), the
+# transposed small-batch tiles (40, 1000, 64), the 128x256 tiles (2100, 2304, 64), stream-K
+# (512, 4096, 512).
+EPILOGUE_ACTIVATION_CASES = [
+    pytest.param(kind, s, act, id=f"{kind}-M{s[0]}-N{s[1]}-K{s[2]}-{act}")
+    for kind in KINDS for s in [(3, 17, 5), (40, 1000, 64), (2100, 2304, 64), (512, 4096, 512)]
+    for act in ("relu", "leaky_relu", "gelu", "gelu_tanh", "silu")]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind,shape,activation", EPILOGUE_ACTIVATION_CASES)
+def test_gemm_affine_applies_the_activation_in_its_epilogue(kind, shape, activation):
+    """An eval head's layer in one GEMM: act(a * (x . W^T) + c) against fold.activate in float64."""
+    dtype, precision, tol = KINDS[kind]
+    x, w = _gemm_inputs(*shape, dtype)
+    a = torch.rand(shape[1], device=CUDA) + 0.5
+    c = torch.randn(shape[1], device=CUDA)
+    h = a.double() * (x.double() @ w.double().T) + c.double()
+    y = ops.gemm_affine(x, w, a, c, precision, activation=activation, negative_slope=0.2)
+    assert y.dtype == dtype and y.shape == (shape[0], shape[1])
+    expected = fold.activate(h, activation, 0.2)
+    # The activation's slope is at most ~1.1: the GEMM's error carries through unamplified.
+    assert rel_err(y, expected) <= tol
+    # Not the affine alone: the activation changed the negative half.
+    assert rel_err(y, h) > 10 * tol
+
+
 @pytest.mark.hopper
 @pytest.mark.parametrize("kind,shape", GEMM_CASES)
 def test_gemm_colstats(kind, shape):

@@ -126,8 +126,8 @@ void column_affine_into(DType in_dtype, int64_t M, int64_t N, const void* in, in
 }
 
 void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
-                   const float* c, cudaStream_t stream) {
-  column_affine_into(dtype, M, N, z, ld, dtype, z, ld, a, c, Activation{}, stream);
+                   const float* c, Activation act, cudaStream_t stream) {
+  column_affine_into(dtype, M, N, z, ld, dtype, z, ld, a, c, act, stream);
 }
 
 }  // namespace epifuse

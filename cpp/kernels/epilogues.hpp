@@ -3,7 +3,7 @@
 // The GEMM computes the fp32 accumulator acc[m, n] = sum_k x[m, k] * w[n, k]. Everything the head
 // does after the Linear layer is per column, so it is one of two trees over acc:
 //
-//   PerColumnAffine             (eval mode)      D = a[n] * acc + c[n]
+//   PerColumnAffine             (eval mode)      D = act(a[n] * acc + c[n])
 //                               (PerColumnAffineTransposed: the same for z^T = w . x^T)
 //   ColumnStatisticsTransposed  (training mode)  D' = acc', colsum[n] += acc', colsumsq[n] += acc'^2
 //                               for z^T = w . x^T, the form every Hopper training GEMM takes
@@ -21,6 +21,8 @@
 #include "cutlass/epilogue/thread/activation.h"
 #include "cutlass/functional.h"
 
+#include "activation.cuh"
+
 namespace epifuse::evt {
 
 using namespace cute;
@@ -33,23 +35,51 @@ constexpr auto kRound = FloatRoundStyle::round_to_nearest;
 template <class CtaTileShapeMNK>
 using ColumnVector = fusion::Sm90RowBroadcast<0, CtaTileShapeMNK, float, float>;
 
-// ---- eval: D = a[n] * acc + c[n] ---------------------------------------------------------------
+// ---- eval: D = act(a[n] * acc + c[n]) ----------------------------------------------------------
+
+// act(a * acc + c) per element: the folded BatchNorm (and scale) and the head's activation in one
+// compute node. The activation is a runtime argument (Sm90Compute passes a functor's Arguments to
+// it), chosen per element by a uniform switch (activation.cuh), so one kernel per tile
+// configuration serves every activation; with none it is the multiply-add alone. The backward's
+// dX and dW GEMMs run this tree too, with a = 1, c = 0 and no activation.
+template <class T>
+struct AffineActivation {
+  using Arguments = Activation;
+  CUTLASS_DEVICE T operator()(T const& a, T const& acc, T const& c, Arguments const& act) const {
+    return activate(act, a * acc + c);
+  }
+};
+
+template <class T, int N>
+struct AffineActivation<cutlass::Array<T, N>> {
+  using Arguments = Activation;
+  CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& a,
+                                                 cutlass::Array<T, N> const& acc,
+                                                 cutlass::Array<T, N> const& c,
+                                                 Arguments const& act) const {
+    cutlass::Array<T, N> d;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) d[i] = activate(act, a[i] * acc[i] + c[i]);
+    return d;
+  }
+};
+
 template <class CtaTileShapeMNK, class ElementD>
 using PerColumnAffine =
-    fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, kRound>,
+    fusion::Sm90EVT<fusion::Sm90Compute<AffineActivation, ElementD, float, kRound>,
                     ColumnVector<CtaTileShapeMNK>,  // a[n]
                     fusion::Sm90AccFetch,           // acc
                     ColumnVector<CtaTileShapeMNK>>; // c[n]
 
-// Arguments in the tree's order: {a, acc, c, multiply_add}; the same for the transposed tree.
-// A null a or c broadcasts its default instead (a = 1, c = 0): with both null the tree stores the
-// plain product (the backward's dX and dW GEMMs).
+// Arguments in the tree's order: {a, acc, c, activation}; the same for the transposed tree.
+// A null a or c broadcasts its default instead (a = 1, c = 0): with both null and no activation
+// the tree stores the plain product (the backward's dX and dW GEMMs).
 template <class Fusion>
-typename Fusion::Arguments per_column_affine_args(const float* a, const float* c) {
-  return {{a, 1.f}, {}, {c, 0.f}, {}};
+typename Fusion::Arguments per_column_affine_args(const float* a, const float* c, Activation act) {
+  return {{a, 1.f}, {}, {c, 0.f}, act};
 }
 
-// ---- eval, transposed GEMM: D'[n, m] = a[n] * acc'[n, m] + c[n] ---------------------------------
+// ---- eval, transposed GEMM: D'[n, m] = act(a[n] * acc'[n, m] + c[n]) --------------------------
 // For small batches the GEMM runs as z^T = w . x^T (see sm90_gemm.cuh, kTransposed): the head's
 // columns are then the rows of the kernel's tile, so a and c are broadcast along its columns.
 template <class CtaTileShapeMNK>
@@ -57,7 +87,7 @@ using RowVector = fusion::Sm90ColBroadcast<0, CtaTileShapeMNK, float, float>;
 
 template <class CtaTileShapeMNK, class ElementD>
 using PerColumnAffineTransposed =
-    fusion::Sm90EVT<fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float, kRound>,
+    fusion::Sm90EVT<fusion::Sm90Compute<AffineActivation, ElementD, float, kRound>,
                     RowVector<CtaTileShapeMNK>,  // a[n], n = the kernel's row
                     fusion::Sm90AccFetch,        // acc' = acc^T
                     RowVector<CtaTileShapeMNK>>; // c[n]

@@ -376,7 +376,7 @@ void split_weight(const GemmProblem& p, float* dst, cudaStream_t stream) {
 
 void epilogue_pass(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, cudaStream_t stream) {
   if (e == Epilogue::kAffine) {
-    column_affine(p.dtype, p.M, p.N, p.out, p.ldo, ops.a, ops.c, stream);
+    column_affine(p.dtype, p.M, p.N, p.out, p.ldo, ops.a, ops.c, ops.act, stream);
   } else {
     fallback::column_stats(p.dtype, p.M, p.N, p.out, p.ldo, ops.colsum, ops.colsumsq, stream);
   }
@@ -443,10 +443,11 @@ void gemm_run(const GemmPlan& plan, const GemmProblem& p, const EpilogueOperands
       sm90::with_kernel(plan.kernel, [&](auto cfg, auto tag) {
         sm90_run<decltype(cfg), decltype(tag)>(sp, ops, base, plan.device, plan.sm_count, stream);
       });
-      // The split turns the +-Inf of a row of x into NaN; IEEE math for those rows.
+      // The split turns the +-Inf of a row of x into NaN; IEEE math for those rows (the affine
+      // epilogue's activation included).
       const bool affine = e == Epilogue::kAffine;
-      recompute_nonfinite_rows(p, affine ? ops.a : nullptr, affine ? ops.c : nullptr, row_flags,
-                               stream);
+      recompute_nonfinite_rows(p, affine ? ops.a : nullptr, affine ? ops.c : nullptr,
+                               affine ? ops.act : Activation{}, row_flags, stream);
       return;
     }
     case GemmKernelKind::kSm90:
@@ -463,8 +464,13 @@ void gemm_run(const GemmPlan& plan, const GemmProblem& p, const EpilogueOperands
       // 3xTF32 turns the +-Inf of a row of x into NaN (big/small split); IEEE math for those rows.
       if (sm80::kKernels[plan.kernel].math == MathMode::k3xTF32) {
         const bool affine = e == Epilogue::kAffine;
-        recompute_nonfinite_rows(p, affine ? ops.a : nullptr, affine ? ops.c : nullptr, nullptr,
-                                 stream);
+        recompute_nonfinite_rows(p, affine ? ops.a : nullptr, affine ? ops.c : nullptr,
+                                 Activation{}, nullptr, stream);
+      }
+      // CUTLASS 2.x compute nodes take no runtime arguments: the sm80 tree stores the affine, and
+      // the activation is one more pass over the output.
+      if (e == Epilogue::kAffine && ops.act.kind != ActivationKind::kNone) {
+        column_affine(p.dtype, p.M, p.N, p.out, p.ldo, nullptr, nullptr, ops.act, stream);
       }
       return;
     default:

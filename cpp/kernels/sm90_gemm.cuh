@@ -218,7 +218,7 @@ template <class Config>
 void run_affine(const GemmProblem& p, const EpilogueOperands& ops, void* workspace, int device,
                 int sm_count, cudaStream_t stream) {
   using K = AffineKernel<Config>;
-  K::run(p, evt::per_column_affine_args<typename K::Fusion>(ops.a, ops.c), workspace, device,
+  K::run(p, evt::per_column_affine_args<typename K::Fusion>(ops.a, ops.c, ops.act), workspace, device,
          sm_count, stream);
 }
 

@@ -282,9 +282,30 @@ void run_gemm(PreparedGemm& g, const GemmPlan& plan, const EpilogueOperands& ops
 
 void run_gemm(PreparedGemm& g, const EpilogueOperands& ops) { run_gemm(g, plan_gemm(g, ops), ops); }
 
+// ---- activations ---------------------------------------------------------------------------
+
+// HeadConfig's activation names, the one place that spells them (python/epifuse/fold.py's
+// ACTIVATIONS lists the same, in this order; tests check they agree).
+constexpr std::pair<const char*, ActivationKind> kActivations[] = {
+    {"", ActivationKind::kNone},          {"relu", ActivationKind::kReLU},
+    {"leaky_relu", ActivationKind::kLeakyReLU}, {"gelu", ActivationKind::kGELU},
+    {"gelu_tanh", ActivationKind::kGELUTanh},   {"silu", ActivationKind::kSiLU}};
+
+Activation activation_from_name(c10::string_view name, double negative_slope, const char* op) {
+  for (const auto& entry : kActivations) {
+    if (name == entry.first) return Activation{entry.second, float(negative_slope)};
+  }
+  EPIFUSE_CHECK_VALUE(false, "epifuse::", op, ": unknown activation '", std::string(name),
+                      "' (expected '', 'relu', 'leaky_relu', 'gelu', 'gelu_tanh' or 'silu')");
+  return {};
+}
+
+// y = act(a[n] * (x . W^T) + c[n]): an eval head's whole layer, the activation in the epilogue.
 at::Tensor gemm_affine_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& a,
-                            const at::Tensor& c, c10::string_view precision) {
+                            const at::Tensor& c, c10::string_view precision,
+                            c10::string_view activation, double negative_slope) {
   const char* op = "gemm_affine";
+  const Activation act = activation_from_name(activation, negative_slope, op);
   const auto guard = guard_for(x, op, "x");
   PreparedGemm g = prepare_gemm(x, weight, std::string(precision), Epilogue::kAffine, op);
   const at::Tensor a32 = column_vector(a, g.problem.N, op, "a", x);
@@ -292,6 +313,7 @@ at::Tensor gemm_affine_cuda(const at::Tensor& x, const at::Tensor& weight, const
   EpilogueOperands ops;
   ops.a = a32.data_ptr<float>();
   ops.c = c32.data_ptr<float>();
+  ops.act = act;
   run_gemm(g, ops);
   return g.out;
 }
@@ -451,23 +473,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_fold_batch_cuda(
   return {a, c, moments};
 }
 
-// ---- activations ---------------------------------------------------------------------------
-
-// HeadConfig's activation names, the one place that spells them (python/epifuse/fold.py's
-// ACTIVATIONS lists the same, in this order; tests check they agree).
-constexpr std::pair<const char*, ActivationKind> kActivations[] = {
-    {"", ActivationKind::kNone},          {"relu", ActivationKind::kReLU},
-    {"leaky_relu", ActivationKind::kLeakyReLU}, {"gelu", ActivationKind::kGELU},
-    {"gelu_tanh", ActivationKind::kGELUTanh},   {"silu", ActivationKind::kSiLU}};
-
-Activation activation_from_name(c10::string_view name, double negative_slope, const char* op) {
-  for (const auto& entry : kActivations) {
-    if (name == entry.first) return Activation{entry.second, float(negative_slope)};
-  }
-  EPIFUSE_CHECK_VALUE(false, "epifuse::", op, ": unknown activation '", std::string(name),
-                      "' (expected '', 'relu', 'leaky_relu', 'gelu', 'gelu_tanh' or 'silu')");
-  return {};
-}
 
 // ---- row passes ----------------------------------------------------------------------------
 
@@ -817,11 +822,13 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
 }  // namespace epifuse
 
 TORCH_LIBRARY(epifuse, m) {
-  m.def("gemm_affine(Tensor x, Tensor weight, Tensor a, Tensor c, str precision) -> Tensor");
-  m.def("gemm_colstats(Tensor x, Tensor weight, str precision) -> (Tensor, Tensor, Tensor)");
   // The head's settings are keyword-only with defaults, as in fused_head (head_config.h names
   // them): "*, float? momentum=0.1, float eps=1e-05" and the like.
   using epifuse::head_schema_kwargs;
+  m.def(("gemm_affine(Tensor x, Tensor weight, Tensor a, Tensor c, str precision, " +
+         head_schema_kwargs({"activation", "negative_slope"}) + ") -> Tensor")
+            .c_str());
+  m.def("gemm_colstats(Tensor x, Tensor weight, str precision) -> (Tensor, Tensor, Tensor)");
   m.def((std::string("bn_fold_train(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, "
                      "Tensor gamma, Tensor beta, Tensor? pre_scale, Tensor? post_scale, "
                      "Tensor(a!) running_mean, Tensor(b!) running_var, "

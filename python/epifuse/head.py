@@ -8,8 +8,8 @@ epifuse ops:
 
   no autograd   train: gemm_colstats -> bn_fold_train (updates running stats) -> affine[_softmax]_
                        (the activation, if any, inside the last pass)
-                eval:  bn_fold_eval -> gemm_affine (-> in-place [activation +] softmax, or
-                       in-place activation)
+                eval:  bn_fold_eval -> gemm_affine (the activation in its epilogue; with a
+                       softmax, the in-place [activation +] softmax instead)
                 (in place, nothing saved)
   autograd or   the differentiable op epifuse::fused_head (cpp/ops/fused_head.cpp: out of place, saves z
   synchronized  for its fused backward), then the running-statistics update
@@ -314,16 +314,15 @@ def _fused_forward(x: Tensor, parts: _Parts, config: HeadConfig,
         a, c = ops.bn_fold_eval(p.bias, p.gamma, p.beta, pre, post, p.running_mean,
                                 p.running_var, eps=config.eps)
     with _range("epifuse.gemm"):
-        y = ops.gemm_affine(x, p.weight, a, c, config.precision)
+        # The activation inside the GEMM's epilogue (one kernel for the layer), except before a
+        # softmax: that pass applies it.
+        activation = "" if config.softmax else config.activation
+        y = ops.gemm_affine(x, p.weight, a, c, config.precision, activation=activation,
+                            negative_slope=config.negative_slope)
     if config.softmax:
         with _range("epifuse.softmax"):
             ops.affine_softmax_(y, None, None, activation=config.activation,
                                 negative_slope=config.negative_slope)
-    elif config.activation:
-        # A pass of its own over y for now; the GEMM's epilogue could apply it after the affine.
-        with _range("epifuse.activation"):
-            ops.affine_(y, None, None, activation=config.activation,
-                        negative_slope=config.negative_slope)
     return y
 
 

@@ -90,9 +90,13 @@ def device_unsupported_reason(index: int) -> Optional[str]:
 
 # --------------------------------------------------------------------------- wrappers
 
-def gemm_affine(x: Tensor, weight: Tensor, a: Tensor, c: Tensor, precision: str) -> Tensor:
-    """``a * (x @ weight.T) + c`` (a, c float32 [N]); output dtype x.dtype, [M, N]."""
-    return _gemm_affine(x, weight, a, c, precision)
+def gemm_affine(x: Tensor, weight: Tensor, a: Tensor, c: Tensor, precision: str, *,
+                activation: str = _D.activation,
+                negative_slope: float = _D.negative_slope) -> Tensor:
+    """``act(a * (x @ weight.T) + c)`` (a, c float32 [N]; act the head's activation, applied in
+    the GEMM's epilogue); output dtype x.dtype, [M, N]."""
+    return _gemm_affine(x, weight, a, c, precision, activation=activation,
+                        negative_slope=negative_slope)
 
 
 def gemm_colstats(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -235,11 +239,14 @@ def _gemm64(x: Tensor, weight: Tensor) -> Tensor:  # callers checked the operand
 
 
 @torch.library.register_kernel("epifuse::gemm_affine", "cpu")
-def _gemm_affine_cpu(x, weight, a, c, precision):
+def _gemm_affine_cpu(x, weight, a, c, precision, *, activation=_D.activation,
+                     negative_slope=_D.negative_slope):
     _checks.check_gemm(x, weight, precision, "gemm_affine")
     _checks.check_column_vector(a, weight.shape[0], "gemm_affine", "a")
     _checks.check_column_vector(c, weight.shape[0], "gemm_affine", "c")
-    return _affine64(_gemm64(x, weight), a, c).to(x.dtype)
+    fold.check_activation(activation, "gemm_affine")
+    y = fold.activate(_affine64(_gemm64(x, weight), a, c), activation, negative_slope)
+    return y.to(x.dtype)
 
 
 @torch.library.register_kernel("epifuse::gemm_colstats", "cpu")
@@ -418,7 +425,8 @@ def _vec_f32(like: Tensor, n) -> Tensor:
 
 
 @torch.library.register_fake("epifuse::gemm_affine")
-def _gemm_affine_fake(x, weight, a, c, precision):
+def _gemm_affine_fake(x, weight, a, c, precision, *, activation=_D.activation,
+                      negative_slope=_D.negative_slope):
     torch._check(x.dim() == 2 and weight.dim() == 2, lambda: "x and weight must be 2-D")
     torch._check(x.shape[1] == weight.shape[1], lambda: "x and weight disagree on K")
     return x.new_empty((x.shape[0], weight.shape[0]))

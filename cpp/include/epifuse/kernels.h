@@ -35,7 +35,7 @@ bool supports_device(int cc_major, int cc_minor);
 
 // What the GEMM epilogue does with the fp32 accumulator acc[m, n] = sum_k x[m, k] * w[n, k].
 enum class Epilogue {
-  kAffine,       // out[m, n] = a[n] * acc + c[n]
+  kAffine,       // out[m, n] = act(a[n] * acc + c[n]), act the head's activation (none: identity)
   kColumnStats,  // out[m, n] = acc; colsum[n] = sum_m acc, colsumsq[n] = sum_m acc^2 (fp64)
 };
 
@@ -56,9 +56,19 @@ struct GemmProblem {
   const float* w_split = nullptr;
 };
 
+// ---- The activation of a head: after the per-column affine, before the softmax ----------------
+// act(h) in fp32, as PyTorch's (cpp/kernels/activation.cuh; python/epifuse/fold.py's activate()
+// is the reference). The ops name them by HeadConfig's 'activation' strings.
+enum class ActivationKind : int { kNone, kReLU, kLeakyReLU, kGELU, kGELUTanh, kSiLU };
+struct Activation {
+  ActivationKind kind = ActivationKind::kNone;
+  float negative_slope = 0.01f;  // kLeakyReLU only
+};
+
 struct EpilogueOperands {
   const float* a = nullptr;   // kAffine: [N]
   const float* c = nullptr;   // kAffine: [N]
+  Activation act;             // kAffine: out = act(a[n] * acc + c[n]) (eval heads)
   double* colsum = nullptr;   // kColumnStats: [N]
   double* colsumsq = nullptr; // kColumnStats: [N]
 };
@@ -184,15 +194,6 @@ void bn_fold_eval(const FoldProblem& f, const void* running_mean, const void* ru
 void bn_fold_batch(const FoldProblem& f, const double* colsum, const double* colsumsq,
                    int64_t count, double* moments, cudaStream_t stream);
 
-// ---- The activation of a head: after the per-column affine, before the softmax ----------------
-// act(h) in fp32, as PyTorch's (cpp/kernels/activation.cuh; python/epifuse/fold.py's activate()
-// is the reference). The ops name them by HeadConfig's 'activation' strings.
-enum class ActivationKind : int { kNone, kReLU, kLeakyReLU, kGELU, kGELUTanh, kSiLU };
-struct Activation {
-  ActivationKind kind = ActivationKind::kNone;
-  float negative_slope = 0.01f;  // kLeakyReLU only
-};
-
 // ---- Row passes over an [M, N] matrix with row stride ld ---------------------------------------
 // Row passes read `in` in in_dtype and write `out` in out_dtype: the same dtype, or a 16-bit input
 // with an fp32 output (autocast: z in the GEMM's 16-bit dtype, the head's output in fp32).
@@ -203,9 +204,10 @@ void affine_softmax(DType in_dtype, int64_t M, int64_t N, const void* in, int64_
                     DType out_dtype, void* out, int64_t ld_out, const float* a, const float* c,
                     Activation act, cudaStream_t stream);
 
-// z = a[n] * z + c[n] in place (the GEMM's affine epilogue run as a separate pass).
+// z = act(a[n] * z + c[n]) in place (the GEMM's affine epilogue run as a separate pass); a, c may
+// be null (the activation alone).
 void column_affine(DType dtype, int64_t M, int64_t N, void* z, int64_t ld, const float* a,
-                   const float* c, cudaStream_t stream);
+                   const float* c, Activation act, cudaStream_t stream);
 
 // out = act(a[n] * in[m, n] + c[n]) (in may equal out, same dtype); a, c may be null (identity).
 void column_affine_into(DType in_dtype, int64_t M, int64_t N, const void* in, int64_t ld_in,

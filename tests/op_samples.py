@@ -115,6 +115,12 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
                  activation="gelu"),
             case(x, w, None, gamma, beta, s1, *stats()[:2], precision=prec, training=False,
                  softmax=True, activation="leaky_relu", negative_slope=0.2),
+            # An eval forward for no backward: one GEMM with the fold and activation in its
+            # epilogue, the output alone (no_grad under autocast).
+            case(x, w, bias, gamma, beta, sn, *stats()[:2], precision=prec, training=False,
+                 activation="silu", for_backward=False),
+            case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=False,
+                 softmax=True, for_backward=False),
         ],
         # (grad, x, weight, bias, gamma, beta, scale, z, out, colsum, colsumsq, moments, needs,
         #  *, HeadConfig's fields)

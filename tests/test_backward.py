@@ -184,10 +184,15 @@ def _fused_head_sample(requires_grad=True, training=True, softmax=True, scale_be
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(training=False), dict(softmax=False),
-                                     dict(scale_before_bn=True), dict(requires_grad=False)],
-                         ids=["train-softmax", "eval", "train-plain", "pre-scale", "no-grad"])
+                                     dict(scale_before_bn=True), dict(requires_grad=False),
+                                     dict(training=False, requires_grad=False, for_backward=False)],
+                         ids=["train-softmax", "eval", "train-plain", "pre-scale", "no-grad",
+                              "eval-for-no-backward"])
 def test_opcheck_fused_head_cpu(variant):
-    torch.library.opcheck(torch.ops.epifuse.fused_head.default, *_fused_head_sample(**variant))
+    for_backward = variant.pop("for_backward", True)
+    args, kwargs = _fused_head_sample(**variant)
+    torch.library.opcheck(torch.ops.epifuse.fused_head.default, args,
+                          {**kwargs, "for_backward": for_backward})
 
 
 def test_fused_head_refuses_double_backward():
@@ -223,6 +228,42 @@ def test_fused_head_ops_reject_bad_arguments():
         backward(None, w, out, [False, True, True, True, True, True])
     grads = backward(None, w, out, [True, False, True, True, True, True])
     assert grads[0].shape == x.shape and grads[1].numel() == 0  # dW not asked for: empty
+
+
+def _epifuse_ops_run(fn) -> list[str]:
+    """The epifuse ops fn ran, nested calls from the C++ composites included (profiler events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name() for e in prof.profiler.kineto_results.events()
+            if e.name().startswith("epifuse::")]
+
+
+@pytest.mark.parametrize("softmax", [True, False], ids=["softmax", "plain"])
+def test_eval_call_for_no_backward_runs_one_gemm_with_the_fold(softmax):
+    """for_backward=False in eval: bn_fold_eval -> gemm_affine (the activation in its epilogue)
+    [-> softmax], nothing kept (z and the statistics empty); for a backward, the statistics GEMM
+    and z as before. Both give the reference's output; asking for no backward while recording
+    one is refused."""
+    args, kwargs = _fused_head_sample(training=False, softmax=softmax, requires_grad=False)
+    kwargs["activation"] = "gelu"
+    expected = head.reference_head(*args, HeadConfig(**kwargs))
+    results = {}
+    names = _epifuse_ops_run(lambda: results.update(
+        plain=torch.ops.epifuse.fused_head(*args, **{**kwargs, "for_backward": False})))
+    out, z, colsum, colsumsq, moments = results["plain"]
+    assert "epifuse::gemm_affine" in names and "epifuse::gemm_colstats" not in names, names
+    assert ("epifuse::affine_softmax_" in names) == softmax and "epifuse::affine" not in names
+    assert z.numel() == colsum.numel() == colsumsq.numel() == moments.numel() == 0
+    assert rel_err(out, expected) <= 1e-6
+    x = args[0].clone().requires_grad_()
+    names = _epifuse_ops_run(lambda: results.update(
+        grad=torch.ops.epifuse.fused_head(x, *args[1:], **kwargs)))
+    out, z, *_ = results["grad"]
+    assert "epifuse::gemm_colstats" in names and "epifuse::gemm_affine" not in names, names
+    assert z.shape == out.shape and out.grad_fn is not None
+    assert rel_err(out, expected) <= 1e-6
+    with pytest.raises(RuntimeError, match="for_backward=False, but an input requires grad"):
+        torch.ops.epifuse.fused_head(x, *args[1:], **{**kwargs, "for_backward": False})
 
 
 def test_fused_head_does_not_mutate_running_stats():

@@ -16,6 +16,10 @@
 // fused_head is functional: it leaves the running statistics alone (the caller updates them from
 // the returned column sums), so torch.compile and opcheck see an op without mutation.
 //
+// An eval call for no backward (for_backward=False: no_grad, inference) runs the layer as one GEMM
+// with the fold and the activation in its epilogue (gemm_affine, then the softmax pass) and
+// returns the output alone: z, the column sums and the moments come back empty.
+//
 // Settings (precision, training, ...) are keyword-only with defaults in both schemas, parsed once
 // into a HeadConfig (head_config.h, the one table of them); the composites and the autograd pass
 // that struct around.
@@ -70,6 +74,11 @@ EPIFUSE_OP(affine_softmax, "affine_softmax",
                   OptDType))
 EPIFUSE_OP(affine, "affine",
            Tensor(const Tensor&, const Tensor&, const Tensor&, c10::string_view, double, OptDType))
+EPIFUSE_OP(affine_softmax_inplace, "affine_softmax_",
+           void(const Tensor&, const OptTensor&, const OptTensor&, c10::string_view, double))
+EPIFUSE_OP(gemm_affine, "gemm_affine",
+           Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, c10::string_view,
+                  c10::string_view, double))
 EPIFUSE_OP(softmax_grad_rowdot, "softmax_grad_rowdot", Tensor(const Tensor&, const Tensor&))
 EPIFUSE_OP(head_grad_sums, "head_grad_sums",
            Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&,
@@ -107,6 +116,13 @@ Tensor gemm_operand(const Tensor& t, const HeadConfig& cfg) {
   return t.to(*cfg.gemm_dtype);
 }
 
+// The weight as the GEMMs read it: under autocast its 16-bit cast, kept while the weight is
+// unchanged (an eval model casts it once, as the 3xTF32 split is kept).
+Tensor gemm_weight(const Tensor& w, const HeadConfig& cfg) {
+  if (!cfg.gemm_dtype || w.scalar_type() == *cfg.gemm_dtype) return w;
+  return kept_weight_cast(w, *cfg.gemm_dtype);
+}
+
 // fold.moments_vector(running_mean, running_var, 0): what eval mode normalized with.
 Tensor running_moments(const Tensor& running_mean, const Tensor& running_var) {
   const auto f64 = running_mean.options().dtype(at::kDouble);
@@ -115,15 +131,48 @@ Tensor running_moments(const Tensor& running_mean, const Tensor& running_var) {
 
 // ---- the composites (CPU and CUDA) ---------------------------------------------------------------
 
+// An eval head's forward that no backward will read (for_backward=False: inference, torch.no_grad
+// under autocast): bn_fold_eval -> gemm_affine, the layer as one GEMM
+// with the fold and the activation in its epilogue (-> the softmax pass: in place, or into the
+// output dtype autocast asks for). Nothing is kept for a backward, so z, the column sums and the
+// moments come back empty. x and weight are the GEMM's operands (cast already under autocast).
+Tensor5 eval_head_without_backward(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                                   const Tensor& gamma, const Tensor& beta, const Tensor& scale,
+                                   const Tensor& running_mean, const Tensor& running_var,
+                                   const HeadConfig& cfg) {
+  const auto [pre, post] = scales(scale, cfg.scale_before_bn);
+  const auto [a, c] =
+      bn_fold_eval().call(bias, gamma, beta, pre, post, running_mean, running_var, cfg.eps);
+  // Before a softmax the activation belongs to the softmax pass.
+  Tensor y = gemm_affine().call(x, weight, a, c, cfg.precision,
+                                cfg.softmax ? "" : cfg.activation, cfg.negative_slope);
+  const bool recast = cfg.out_dtype && *cfg.out_dtype != y.scalar_type();
+  if (cfg.softmax && recast) {
+    y = affine_softmax().call(y, std::nullopt, std::nullopt, cfg.activation, cfg.negative_slope,
+                              cfg.out_dtype);
+  } else if (cfg.softmax) {
+    affine_softmax_inplace().call(y, std::nullopt, std::nullopt, cfg.activation,
+                                  cfg.negative_slope);
+  } else if (recast) {
+    y = y.to(*cfg.out_dtype);
+  }
+  const auto empty = [&](at::ScalarType dtype) { return at::empty({0}, y.options().dtype(dtype)); };
+  return {y, empty(x.scalar_type()), empty(at::kDouble), empty(at::kDouble), empty(at::kDouble)};
+}
+
 Tensor5 fused_head_impl(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                         const Tensor& gamma, const Tensor& beta, const Tensor& scale,
                         const Tensor& running_mean, const Tensor& running_var,
                         const HeadConfig& cfg) {
+  if (!cfg.training && !cfg.for_backward) {
+    return eval_head_without_backward(gemm_operand(x, cfg), gemm_weight(weight, cfg), bias, gamma,
+                                      beta, scale, running_mean, running_var, cfg);
+  }
   const auto [pre, post] = scales(scale, cfg.scale_before_bn);
   // Under autocast the autograd kernel hands over x and W already cast (and keeps them for the
   // backward); a direct call casts here.
   auto [z, colsum, colsumsq] =
-      gemm_colstats().call(gemm_operand(x, cfg), gemm_operand(weight, cfg), cfg.precision);
+      gemm_colstats().call(gemm_operand(x, cfg), gemm_weight(weight, cfg), cfg.precision);
   Tensor a, c, moments;
   if (!cfg.training) {
     std::tie(a, c) =
@@ -271,7 +320,7 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
       // The GEMM's operands (autocast: 16-bit casts; the weight's kept while it is unchanged),
       // cast once here so that the backward reuses them.
       x_gemm = gemm_operand(x, cfg);
-      w_gemm = cfg.gemm_dtype ? kept_weight_cast(weight, *cfg.gemm_dtype) : weight;
+      w_gemm = gemm_weight(weight, cfg);
       std::tie(out, z, colsum, colsumsq, moments) = fused_head_op().call(
           x_gemm, w_gemm, bias, gamma, beta, scale, running_mean, running_var EPIFUSE_HEAD_ARGS);
     }
@@ -358,6 +407,17 @@ Tensor5 fused_head_autograd(const Tensor& x, const Tensor& weight, const OptTens
                             const Tensor& running_mean,
                             const Tensor& running_var EPIFUSE_HEAD_PARAMS) {
   const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
+  if (!cfg.for_backward) {  // no autograd node: nothing is kept
+    const bool records = at::GradMode::is_enabled() &&
+                         (x.requires_grad() || weight.requires_grad() ||
+                          (bias && bias->requires_grad()) || gamma.requires_grad() ||
+                          beta.requires_grad() || scale.requires_grad());
+    TORCH_CHECK(!records, "epifuse::fused_head: for_backward=False, but an input requires grad "
+                "under grad mode (call it with for_backward=True, or under torch.no_grad())");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return fused_head_op().call(x, weight, bias, gamma, beta, scale, running_mean,
+                                running_var EPIFUSE_HEAD_ARGS);
+  }
   const variable_list r =
       FusedHead::apply(x, weight, bias, gamma, beta, scale, running_mean, running_var, cfg);
   return {r[0], r[1], r[2], r[3], r[4]};
@@ -411,8 +471,8 @@ TORCH_LIBRARY_FRAGMENT(epifuse, m) {
   // field, e.g. "*, str precision='3xtf32', bool training=True, ...").
   // (out, z, colsum, colsumsq, moments): the head's output; the GEMM output z and moments (the
   // statistics u was normalized with, fold.moments_vector) for the backward; this batch's column
-  // sums for the caller's running-statistics update. group_name non-empty: batch statistics over
-  // that process group's ranks.
+  // sums for the caller's running-statistics update (an eval call with for_backward=False returns
+  // the last four empty). group_name non-empty: batch statistics over that process group's ranks.
   m.def((std::string("fused_head(Tensor x, Tensor weight, Tensor? bias, Tensor gamma, Tensor beta, "
                      "Tensor scale, Tensor running_mean, Tensor running_var, ") +
          head_schema_kwargs() + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")

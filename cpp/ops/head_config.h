@@ -64,7 +64,11 @@ using OptDType = std::optional<at::ScalarType>;
   X(gemm_dtype,      OptDType,              OptDType,              "ScalarType?", "None")          \
   /* The output's dtype; None: z's, i.e. the GEMM's. The AutocastCUDA kernel sets the dtype the    \
      unfused modules return under the same autocast (fp32 after a softmax or an fp32 scale). */   \
-  X(out_dtype,       OptDType,              OptDType,              "ScalarType?", "None")
+  X(out_dtype,       OptDType,              OptDType,              "ScalarType?", "None")         \
+  /* The output may be differentiated: fused_head returns z and the statistics for a backward.    \
+     False (no_grad, inference): an eval head runs its layer as one GEMM with the fold and the    \
+     activation in the epilogue and returns z, the column sums and the moments empty. */          \
+  X(for_backward,    bool,                  bool,                  "bool",   "True")
 // clang-format on
 
 struct HeadConfig {

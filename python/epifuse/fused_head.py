@@ -10,7 +10,9 @@ The op, its backward op ``epifuse::fused_head_backward`` and their autograd are 
 
 which saves z, the softmax's output (softmax heads), the inputs the GEMMs need, and [N]
 vectors. The op is functional: the caller (head.py) updates the running statistics from
-the returned column sums / moments.
+the returned column sums / moments. An eval call with ``for_backward=False`` (head.py: no_grad
+under autocast) runs bn_fold_eval -> gemm_affine (fold and activation in the GEMM's epilogue)
+[-> softmax] and returns the output with z, colsum, colsumsq and moments empty.
 
 This module registers the Python side: both ops' fake kernels, and the two
 synchronized-statistics hooks (``group_name`` non-empty), which reduce across the ranks
@@ -87,6 +89,10 @@ def _fused_head_fake(x, weight, bias, gamma, beta, scale, running_mean, running_
     # z in the GEMM's dtype (gemm_dtype: autocast's), the output in out_dtype (default z's).
     z = x.new_empty((x.shape[0], n), dtype=config.get("gemm_dtype") or x.dtype)
     out = torch.empty_like(z, dtype=config.get("out_dtype") or z.dtype)
+    if not config.get("training", _D.training) and not config.get("for_backward", _D.for_backward):
+        # An eval forward for no backward: the output alone, the rest empty.
+        return (out, x.new_empty((0,)), x.new_empty((0,), dtype=_F64),
+                x.new_empty((0,), dtype=_F64), x.new_empty((0,), dtype=_F64))
     return (out, z, x.new_empty((n,), dtype=_F64), x.new_empty((n,), dtype=_F64),
             x.new_empty((2 * n + 1,), dtype=_F64))
 

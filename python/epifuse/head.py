@@ -232,14 +232,16 @@ def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
                         group_name="" if group is None else group.group_name,
                         has_scale=spec.has_scale)
     parts = _bn_defaults(parts)
+    for_backward = torch.is_grad_enabled() and (x.requires_grad or any(
+        p is not None and p.requires_grad
+        for p in (parts.weight, parts.bias, parts.gamma, parts.beta, parts.scale)))
     # Under CUDA autocast the head runs epifuse::fused_head, whose AutocastCUDA kernel picks the
-    # GEMMs' 16-bit dtype and the output dtype (the in-place ops below have no autocast kernel).
-    if group is None and not torch.is_autocast_enabled("cuda") and not (
-            torch.is_grad_enabled() and (x.requires_grad or any(
-                p is not None and p.requires_grad
-                for p in (parts.weight, parts.bias, parts.gamma, parts.beta, parts.scale)))):
+    # GEMMs' 16-bit dtype and the output dtype (the in-place ops below have no autocast kernel);
+    # without a backward to feed, its eval form is one GEMM with the fold in its epilogue.
+    if group is None and not torch.is_autocast_enabled("cuda") and not for_backward:
         return _fused_forward(x, parts, config, tracks_running_stats)
-    return _differentiable_forward(x, parts, config, tracks_running_stats)
+    return _differentiable_forward(x, parts, config._replace(for_backward=for_backward),
+                                   tracks_running_stats)
 
 
 # --------------------------------------------------------------------------- differentiable forward

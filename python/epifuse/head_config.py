@@ -56,6 +56,10 @@ class HeadConfig(NamedTuple):
     gemm_dtype: Optional[torch.dtype] = None
     # The output's dtype; None: the GEMM's. Under autocast: what the unfused modules return.
     out_dtype: Optional[torch.dtype] = None
+    # The output may be differentiated: fused_head returns z and the statistics for a backward.
+    # False (no_grad, inference): an eval head runs its layer as one GEMM with the fold and the
+    # activation in the epilogue, and fused_head returns z, colsum, colsumsq and moments empty.
+    for_backward: bool = True
 
     def kwargs(self) -> dict[str, Any]:
         """Every setting by name: the keyword arguments of fused_head / fused_head_backward."""

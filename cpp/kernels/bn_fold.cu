@@ -20,10 +20,12 @@ namespace {
 constexpr int kFoldThreads = 256;          // per block, one column per thread
 constexpr int kCumulativeThreads = 1024;   // the single block of momentum=None training
 
-template <class P>
+// P: the parameters' type; S: the running statistics' (P, or double when eval folds from the
+// float64 moments a backward kept).
+template <class P, class S>
 __global__ void __launch_bounds__(kCumulativeThreads)
 bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* __restrict__ colsumsq,
-               int64_t count, P* running_mean, P* running_var, int64_t* num_batches_tracked,
+               int64_t count, S* running_mean, S* running_var, int64_t* num_batches_tracked,
                double momentum, bool training, double* moments) {
   // Null running statistics in training: bn_fold_batch, which writes `moments` instead.
   const bool update = training && running_mean != nullptr;
@@ -72,18 +74,32 @@ bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* _
   }
 }
 
+template <class P, class S>
+void launch_typed(const FoldProblem& f, const double* colsum, const double* colsumsq, int64_t count,
+                  void* running_mean, void* running_var, int64_t* num_batches_tracked,
+                  double momentum, bool training, double* moments, cudaStream_t stream) {
+  const bool cumulative = training && running_mean != nullptr && momentum < 0;
+  const int64_t blocks = cumulative ? 1 : std::max<int64_t>((f.N + kFoldThreads - 1) / kFoldThreads, 1);
+  const int threads = cumulative ? kCumulativeThreads : kFoldThreads;
+  bn_fold_kernel<P, S><<<unsigned(std::min<int64_t>(blocks, 65535)), threads, 0, stream>>>(
+      f, colsum, colsumsq, count, static_cast<S*>(running_mean), static_cast<S*>(running_var),
+      num_batches_tracked, momentum, training, moments);
+}
+
+// stats_fp64: the running statistics are float64 (eval only), else the parameters' dtype.
 void launch(const FoldProblem& f, const double* colsum, const double* colsumsq, int64_t count,
             void* running_mean, void* running_var, int64_t* num_batches_tracked, double momentum,
-            bool training, double* moments, cudaStream_t stream) {
+            bool training, double* moments, cudaStream_t stream, bool stats_fp64 = false) {
   if (f.N == 0 && !training) return;
   dispatch_dtype(f.param_dtype, [&](auto tag) {
     using P = decltype(tag);
-    const bool cumulative = training && running_mean != nullptr && momentum < 0;
-    const int64_t blocks = cumulative ? 1 : std::max<int64_t>((f.N + kFoldThreads - 1) / kFoldThreads, 1);
-    const int threads = cumulative ? kCumulativeThreads : kFoldThreads;
-    bn_fold_kernel<P><<<unsigned(std::min<int64_t>(blocks, 65535)), threads, 0, stream>>>(
-        f, colsum, colsumsq, count, static_cast<P*>(running_mean), static_cast<P*>(running_var),
-        num_batches_tracked, momentum, training, moments);
+    if (stats_fp64) {
+      launch_typed<P, double>(f, colsum, colsumsq, count, running_mean, running_var,
+                              num_batches_tracked, momentum, training, moments, stream);
+    } else {
+      launch_typed<P, P>(f, colsum, colsumsq, count, running_mean, running_var,
+                         num_batches_tracked, momentum, training, moments, stream);
+    }
   });
   check_launch(!training ? "bn_fold_eval" : moments ? "bn_fold_batch" : "bn_fold_train");
 }
@@ -104,9 +120,9 @@ void bn_fold_batch(const FoldProblem& f, const double* colsum, const double* col
 }
 
 void bn_fold_eval(const FoldProblem& f, const void* running_mean, const void* running_var,
-                  cudaStream_t stream) {
+                  bool stats_fp64, cudaStream_t stream) {
   launch(f, nullptr, nullptr, 0, const_cast<void*>(running_mean), const_cast<void*>(running_var),
-         nullptr, 0.0, /*training=*/false, /*moments=*/nullptr, stream);
+         nullptr, 0.0, /*training=*/false, /*moments=*/nullptr, stream, stats_fp64);
 }
 
 }  // namespace epifuse

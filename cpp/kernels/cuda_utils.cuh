@@ -35,11 +35,13 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 
 // Parameter and statistics vectors (model dtype) read and written in the fp64 of the per-column math.
+__device__ __forceinline__ double load_param(const double* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ double load_param(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ double load_param(const __half* p, int64_t i) { return __half2float(p[i]); }
 __device__ __forceinline__ double load_param(const __nv_bfloat16* p, int64_t i) {
   return __bfloat162float(p[i]);
 }
+__device__ __forceinline__ void store_param(double* p, int64_t i, double v) { p[i] = v; }
 __device__ __forceinline__ void store_param(float* p, int64_t i, double v) { p[i] = float(v); }
 __device__ __forceinline__ void store_param(__half* p, int64_t i, double v) { p[i] = __double2half(v); }
 __device__ __forceinline__ void store_param(__nv_bfloat16* p, int64_t i, double v) {

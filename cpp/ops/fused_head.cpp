@@ -217,11 +217,9 @@ Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const O
   // An activation's derivative at h = a * z + c: the fold (a, c) again, from the statistics the
   // forward normalized with (moments: batch, merged or running), rather than kept from the forward.
   OptTensor a, c;
-  if (!cfg.activation.empty()) {
+  if (!cfg.activation.empty()) {  // bn_fold_eval reads the float64 moments as they are
     const int64_t n = gamma.size(0);
-    const auto stat = [&](int64_t i) {
-      return moments.slice(0, i * n, (i + 1) * n).to(gamma.scalar_type());
-    };
+    const auto stat = [&](int64_t i) { return moments.slice(0, i * n, (i + 1) * n); };
     std::tie(a, c) = bn_fold_eval().call(bias, gamma, beta, pre, post, stat(0), stat(1), cfg.eps);
   }
   const Tensor sums = head_grad_sums().call(grad, softmax_out, rowdot, z, a, c, cfg.activation,

@@ -378,10 +378,14 @@ FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor
   return f;
 }
 
-void check_running(const at::Tensor& t, const char* name, const at::Tensor& gamma, const char* op) {
+// also_fp64: float64 is accepted too (bn_fold_eval, folding the moments a backward kept).
+void check_running(const at::Tensor& t, const char* name, const at::Tensor& gamma, const char* op,
+                   bool also_fp64 = false) {
   check_cuda(t, op, name, gamma);
-  EPIFUSE_CHECK(t.scalar_type() == gamma.scalar_type(), "epifuse::", op, ": expected ", name,
-              " to have dtype ", gamma.scalar_type(), " like gamma, got ", t.scalar_type());
+  EPIFUSE_CHECK(t.scalar_type() == gamma.scalar_type() ||
+                    (also_fp64 && t.scalar_type() == at::kDouble),
+                "epifuse::", op, ": expected ", name, " to have dtype ", gamma.scalar_type(),
+                " like gamma", also_fp64 ? " (or float64)" : "", ", got ", t.scalar_type());
   EPIFUSE_CHECK(t.is_contiguous() && t.dim() == 1 && t.size(0) == gamma.size(0), "epifuse::", op,
               ": expected ", name, " to be a contiguous [", gamma.size(0), "] tensor, got ",
               t.sizes());
@@ -438,10 +442,14 @@ std::tuple<at::Tensor, at::Tensor> bn_fold_eval_cuda(
   const char* op = "bn_fold_eval";
   const auto guard = guard_for(gamma, op, "gamma");
   FoldProblem f = prepare_fold(bias, gamma, beta, pre_scale, post_scale, eps, op);
-  check_running(running_mean, "running_mean", gamma, op);
-  check_running(running_var, "running_var", gamma, op);
+  check_running(running_mean, "running_mean", gamma, op, /*also_fp64=*/true);
+  check_running(running_var, "running_var", gamma, op, /*also_fp64=*/true);
+  EPIFUSE_CHECK(running_mean.scalar_type() == running_var.scalar_type(), "epifuse::", op,
+                ": expected running_mean and running_var of one dtype, got ",
+                running_mean.scalar_type(), " and ", running_var.scalar_type());
   auto outputs = fold_outputs(gamma, f);
-  bn_fold_eval(f, running_mean.data_ptr(), running_var.data_ptr(), current_stream());
+  bn_fold_eval(f, running_mean.data_ptr(), running_var.data_ptr(),
+               running_mean.scalar_type() == at::kDouble, current_stream());
   return outputs;
 }
 

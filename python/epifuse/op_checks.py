@@ -137,10 +137,12 @@ def check_fold(bias: Optional[Tensor], gamma: Tensor, beta: Tensor, pre_scale: O
     check_kernel_dtype(gamma, op)
 
 
-def check_running(t: Tensor, name: str, gamma: Tensor, op: str) -> None:
-    if t.dtype != gamma.dtype:
+def check_running(t: Tensor, name: str, gamma: Tensor, op: str, also_fp64: bool = False) -> None:
+    """also_fp64: float64 is accepted too (bn_fold_eval, folding the moments a backward kept)."""
+    if t.dtype != gamma.dtype and not (also_fp64 and t.dtype == torch.float64):
         raise RuntimeError(f"epifuse::{op}: expected {name} to have dtype "
-                           f"{type_name(gamma.dtype)} like gamma, got {type_name(t.dtype)}")
+                           f"{type_name(gamma.dtype)} like gamma"
+                           f"{' (or float64)' if also_fp64 else ''}, got {type_name(t.dtype)}")
     if not (t.is_contiguous() and t.dim() == 1 and t.shape[0] == gamma.shape[0]):
         raise RuntimeError(f"epifuse::{op}: expected {name} to be a contiguous "
                            f"[{gamma.shape[0]}] tensor, got {_sizes(t)}")

@@ -118,7 +118,7 @@ def bn_fold_train(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[T
 def bn_fold_eval(bias: Optional[Tensor], gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
                  post_scale: Optional[Tensor], running_mean: Tensor, running_var: Tensor, *,
                  eps: float = _D.eps) -> tuple[Tensor, Tensor]:
-    """Eval fold (float32 a, c) from the running statistics."""
+    """Eval fold (float32 a, c) from the running statistics (the parameters' dtype, or float64)."""
     return _bn_fold_eval(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var,
                          eps=eps)
 
@@ -274,8 +274,12 @@ def _bn_fold_train_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, po
 def _bn_fold_eval_cpu(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, *,
                       eps=_D.eps):
     _checks.check_fold(bias, gamma, beta, pre_scale, post_scale, eps, "bn_fold_eval")
-    _checks.check_running(running_mean, "running_mean", gamma, "bn_fold_eval")
-    _checks.check_running(running_var, "running_var", gamma, "bn_fold_eval")
+    _checks.check_running(running_mean, "running_mean", gamma, "bn_fold_eval", also_fp64=True)
+    _checks.check_running(running_var, "running_var", gamma, "bn_fold_eval", also_fp64=True)
+    if running_mean.dtype != running_var.dtype:
+        raise RuntimeError(f"epifuse::bn_fold_eval: expected running_mean and running_var of one "
+                           f"dtype, got {_checks.type_name(running_mean.dtype)} and "
+                           f"{_checks.type_name(running_var.dtype)}")
     f = fold.fold_eval(bias, gamma, beta, pre_scale, post_scale, running_mean, running_var, eps)
     return f.a.float(), f.c.float()
 

@@ -184,9 +184,10 @@ void bn_fold_train(const FoldProblem& f, const double* colsum, const double* col
                    void* running_mean, void* running_var, int64_t* num_batches_tracked,
                    double momentum, cudaStream_t stream);
 
-// Eval: running statistics (param dtype, read only).
+// Eval: running statistics (read only) in the parameters' dtype, or float64 (stats_fp64: the
+// moments a backward kept, folded without casting them first).
 void bn_fold_eval(const FoldProblem& f, const void* running_mean, const void* running_var,
-                  cudaStream_t stream);
+                  bool stats_fp64, cudaStream_t stream);
 
 // Training without the running-statistics update (the differentiable forward, whose op must not
 // mutate its inputs): (a, c) as bn_fold_train, and moments[0:N] = batch mean of u,

@@ -39,7 +39,7 @@ using ColumnVector = fusion::Sm90RowBroadcast<0, CtaTileShapeMNK, float, float>;
 
 // act(a * acc + c) per element: the folded BatchNorm (and scale) and the head's activation in one
 // compute node. The activation is a runtime argument (Sm90Compute passes a functor's Arguments to
-// it), chosen per element by a uniform switch (activation.cuh), so one kernel per tile
+// it), chosen once per fragment (activation.cuh, activate_fragment), so one kernel per tile
 // configuration serves every activation; with none it is the multiply-add alone. The backward's
 // dX and dW GEMMs run this tree too, with a = 1, c = 0 and no activation.
 template <class T>
@@ -59,7 +59,8 @@ struct AffineActivation<cutlass::Array<T, N>> {
                                                  Arguments const& act) const {
     cutlass::Array<T, N> d;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) d[i] = activate(act, a[i] * acc[i] + c[i]);
+    for (int i = 0; i < N; ++i) d[i] = a[i] * acc[i] + c[i];
+    activate_fragment<cutlass::Array<T, N>, N>(act, d);  // one branch per fragment
     return d;
   }
 };

@@ -88,6 +88,12 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
             case(colsum, colsumsq, m, bias, gamma, beta, None, s1, eps=1e-5),
             case(colsum, colsumsq, m, None, gamma, beta, sn, None, eps=1e-3),
         ],
+        # From a batch's moments (count m) and a synchronized one's (count 3m, the merged rows).
+        "update_running_stats": [
+            case(moments, *stats(), momentum=0.1),
+            case(with_rows(moments[:2 * n], 3 * m), *stats(), momentum=None),
+            case(moments, *stats()),  # the default momentum
+        ],
         "softmax_grad_rowdot": [case(grad, out)],
         "head_grad_sums": [case(grad, out, rowdot, z), case(grad, None, None, z),
                            case(grad, out, rowdot, z, a, c, activation="gelu"),
@@ -123,6 +129,9 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
                  activation="silu", for_backward=False),
             case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=False,
                  softmax=True, for_backward=False),
+            # ... into a wider output (16-bit samples): the GEMM, then the widening affine pass.
+            case(x, w, bias, gamma, beta, sn, *stats()[:2], precision=prec, training=False,
+                 activation="gelu", for_backward=False, out_dtype=torch.float32),
         ],
         # (grad, x, weight, bias, gamma, beta, scale, z, out, colsum, colsumsq, moments, needs,
         #  *, HeadConfig's fields)

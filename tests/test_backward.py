@@ -308,7 +308,7 @@ def test_backward_runs_the_fused_ops(fused_on_cpu):
     with traced_epifuse_ops() as calls:
         y = new(x)
     assert calls == ["fused_head", "gemm_colstats", "bn_fold_batch", "affine_softmax",
-                     "bn_fold_train"]
+                     "update_running_stats"]
     with traced_epifuse_ops() as calls:
         y.sum().backward()  # an expanded (stride 0) gradient
     assert calls == ["fused_head_backward", "softmax_grad_rowdot", "head_grad_sums",
@@ -542,7 +542,34 @@ def test_compile_fullgraph_training_step(number):
         vanishing = name == "gemm.bias" or (number == 39 and name == "scale")
         floor = oracle.gemm.weight.grad.norm().item() if vanishing else 0.0
         assert _err(p.grad, q.grad, floor) <= 1e-4, name
+    # The running statistics, updated by update_running_stats after the op, inside the graph.
     assert new.bn.num_batches_tracked.item() == 1
+    for name in ("bn.running_mean", "bn.running_var"):
+        assert _err(new.get_buffer(name), oracle.get_buffer(name)) <= 1e-5, name
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("number", [84, 39], ids=["p84", "p39"])
+def test_training_step_folds_once(number):
+    """A training step (forward and backward) launches one fold and one running-statistics update,
+    from the moments the fold wrote (no second fold for the update), with BatchNorm's result."""
+    ref, new = _pair(number, init_args(number, 256, 128), "ieee")
+    oracle = float64_twin(ref).train()
+    new.train()
+    x = torch.rand(64, 256, device=CUDA)
+    w = torch.randn(64, 128, device=CUDA)
+    new(x)  # warm-up: lazy initialization outside the profile
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        (new(x) * w).sum().backward()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events()]
+    assert sum("bn_fold_kernel" in k for k in kernels) == 1, kernels
+    assert sum("running_stats_kernel" in k for k in kernels) == 1, kernels
+    for _ in range(2):
+        oracle(x.double())
+    assert new.bn.num_batches_tracked.item() == 2
+    for name in ("bn.running_mean", "bn.running_var"):
+        assert _err(new.get_buffer(name), oracle.get_buffer(name)) <= 1e-5, name
 
 
 @pytest.mark.hopper

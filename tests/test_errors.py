@@ -511,3 +511,47 @@ def test_row_ops_bad_arguments(op, healthy_cuda):
         (lambda z, a, c: (z.int(), a, c), "not implemented for 'Int'|Int"),
         (lambda z, a, c: (z, a.cpu(), c), "CUDA|device"),
     ])
+
+
+# --------------------------------------------------------------------------- update_running_stats
+
+def _update_args(device, n=3, dtype=F32):
+    """update_running_stats's positional arguments: moments [mean, var, count], the buffers."""
+    moments = torch.cat([torch.rand(2 * n, dtype=F64), torch.tensor([5.0], dtype=F64)])
+    return [moments.to(device), torch.zeros(n, device=device, dtype=dtype),
+            torch.ones(n, device=device, dtype=dtype),
+            torch.zeros((), device=device, dtype=torch.long)]
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"),
+                                    pytest.param("cuda", id="cuda", marks=pytest.mark.hopper)])
+@pytest.mark.parametrize("name,index,value,exc,key", [
+    ("moments-float32", 0, lambda d: torch.rand(7, device=d), RuntimeError,
+     r"moments to be a contiguous float64 \[7\] tensor, got Float \[7\]"),
+    ("moments-length", 0, lambda d: torch.rand(6, device=d, dtype=F64), RuntimeError,
+     r"moments to be a contiguous float64 \[7\] tensor, got Double \[6\]"),
+    ("running_mean-2d", 1, lambda d: torch.zeros(3, 1, device=d), RuntimeError,
+     r"running_mean to be a contiguous 1-D tensor"),
+    ("running_mean-int", 1, lambda d: torch.zeros(3, device=d, dtype=torch.long), RuntimeError,
+     r"not implemented for 'Long'"),
+    ("running_var-dtype", 2, lambda d: torch.ones(3, device=d, dtype=BF16), RuntimeError,
+     r"running_var to have dtype Float like running_mean, got BFloat16"),
+    ("running_var-length", 2, lambda d: torch.ones(4, device=d), RuntimeError,
+     r"running_var to be a contiguous \[3\] tensor"),
+    ("nbt-int32", 3, lambda d: torch.zeros((), device=d, dtype=torch.int32), RuntimeError,
+     r"num_batches_tracked to be a one-element int64 tensor"),
+    ("momentum>1", "momentum", 1.5, ValueError, r"momentum must be in \[0, 1\] or None, got 1\.5"),
+])
+def test_update_running_stats_bad_arguments(name, index, value, exc, key, device, request):
+    """The CPU and CUDA kernels' messages; the buffers untouched by a failed call."""
+    if device == "cuda":
+        request.getfixturevalue("healthy_cuda")
+    args, kwargs = _update_args(device), {"momentum": 0.1}
+    if isinstance(index, str):
+        kwargs[index] = value
+    else:
+        args[index] = value(device)
+    with pytest.raises(exc, match=key):
+        torch.ops.epifuse.update_running_stats(*args, **kwargs)
+    if isinstance(args[3], torch.Tensor) and args[3].dtype == torch.long:
+        assert args[3].item() == 0, "num_batches_tracked counted although the call failed"

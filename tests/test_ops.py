@@ -56,6 +56,7 @@ HEAD_OP_SETTINGS = {
     "bn_fold_train": ("momentum", "eps"),
     "bn_fold_eval": ("eps",),
     "bn_fold_batch": ("eps",),
+    "update_running_stats": ("momentum",),
     "head_grad_coefficients": ("training", "eps"),
     "synced_batch_fold": ("eps", "group_name"),
     "synced_grad_sums": ("eps", "group_name"),
@@ -131,6 +132,36 @@ def test_bn_fold_train_cpu_matches_batchnorm1d(momentum, position):
     torch.testing.assert_close(rm, bn.running_mean.float())
     torch.testing.assert_close(rv, bn.running_var.float())
     assert nbt.item() == bn.num_batches_tracked.item() == 5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype_id", ["fp32", "bf16"])
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["mom0.1", "momNone"])
+def test_update_running_stats_from_the_batch_moments_matches_batchnorm1d(momentum, dtype_id,
+                                                                         device):
+    """bn_fold_batch's moments, then update_running_stats: nn.BatchNorm1d's update (float64
+    module, the buffers compared in their dtype), as bn_fold_train makes it in one kernel."""
+    g = torch.Generator().manual_seed(5)
+    m, n, dtype = 9, 300, DTYPES[dtype_id]  # 300 columns: two blocks of the CUDA kernel
+    z = torch.randn(m, n, generator=g, dtype=torch.float64) * 3 + 2
+    bias, gamma, beta = (torch.randn(n, generator=g) for _ in range(3))
+    bn = torch.nn.BatchNorm1d(n, momentum=momentum).double()
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(n, generator=g)), bn.running_var.uniform_(0.5, 2)
+        bn.num_batches_tracked.fill_(4)
+    stats = [bn.running_mean.to(device, dtype, copy=True),
+             bn.running_var.to(device, dtype, copy=True),
+             bn.num_batches_tracked.to(device, copy=True)]
+    params = [p.to(device, dtype) for p in (bias, gamma, beta)]
+    zd = z.to(device)
+    _, _, moments = ops.bn_fold_batch(zd.sum(0), (zd * zd).sum(0), m, *params, None, None)
+    ops.update_running_stats(moments, *stats, momentum=momentum)
+    with torch.no_grad():
+        bn.train()(z + bias.to(dtype).double())
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(stats[0].cpu(), bn.running_mean) <= tol
+    assert rel_err(stats[1].cpu(), bn.running_var) <= tol
+    assert stats[2].item() == bn.num_batches_tracked.item() == 5
 
 
 def test_bn_fold_eval_cpu_values():

@@ -3,6 +3,8 @@
 // Training mode takes mu / var from the batch (colsum, colsumsq over `count` rows) and updates the
 // running statistics as nn.BatchNorm1d does (bn_fold_batch: writes the batch moments instead, for the
 // backward, and leaves the running statistics alone); eval mode reads the running statistics.
+// update_running_stats: the running-statistics update alone, from the moments bn_fold_batch (or the
+// synchronized fold) wrote, so a differentiable step folds once and updates without folding again.
 // python/epifuse/fold.py is the reference for this math; tests hold this kernel to it.
 //
 // One thread per column over as many blocks as the columns need (the fold is a few fp64 divisions
@@ -22,6 +24,27 @@ constexpr int kCumulativeThreads = 1024;   // the single block of momentum=None 
 
 // P: the parameters' type; S: the running statistics' (P, or double when eval folds from the
 // float64 moments a backward kept).
+// nn.BatchNorm's update of column n: the running variance tracks the unbiased variance.
+template <class S>
+__device__ __forceinline__ void update_column(S* running_mean, S* running_var, int64_t n, double mu,
+                                              double var_u, double count, double factor) {
+  const double unbiased = var_u * count / (count - 1.0);
+  store_param(running_mean, n, (1.0 - factor) * load_param(running_mean, n) + factor * mu);
+  store_param(running_var, n, (1.0 - factor) * load_param(running_var, n) + factor * unbiased);
+}
+
+// momentum None (< 0): the cumulative average over the batches seen, counting this one.
+__device__ __forceinline__ double update_factor(double momentum, const int64_t* num_batches_tracked) {
+  return momentum < 0 ? 1.0 / double(*num_batches_tracked + 1) : momentum;
+}
+
+// After every column's update: momentum=None's launch is one block, and the barrier orders every
+// read of the counter before the increment. Otherwise nothing reads it and block 0 increments it.
+__device__ __forceinline__ void count_batch(double momentum, int64_t* num_batches_tracked) {
+  if (momentum < 0) __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
+}
+
 template <class P, class S>
 __global__ void __launch_bounds__(kCumulativeThreads)
 bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* __restrict__ colsumsq,
@@ -29,9 +52,7 @@ bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* _
                double momentum, bool training, double* moments) {
   // Null running statistics in training: bn_fold_batch, which writes `moments` instead.
   const bool update = training && running_mean != nullptr;
-  // momentum None: cumulative average over the batches seen, counting this one.
-  const double factor =
-      (update && momentum < 0) ? 1.0 / double(*num_batches_tracked + 1) : momentum;
+  const double factor = update ? update_factor(momentum, num_batches_tracked) : 0.0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < f.N; n += stride) {
     const double bias = load_or<P>(f.bias, f.N, n, 0.0);
@@ -49,11 +70,7 @@ bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* _
       mu = pre * (mean_z + bias);
       const double var_u = pre * pre * var_z;  // biased, as BatchNorm normalizes with
       invstd = 1.0 / sqrt(var_u + f.eps);
-      if (update) {
-        const double unbiased = var_u * double(count) / double(count - 1);
-        store_param(running_mean, n, (1.0 - factor) * load_param(running_mean, n) + factor * mu);
-        store_param(running_var, n, (1.0 - factor) * load_param(running_var, n) + factor * unbiased);
-      }
+      if (update) update_column(running_mean, running_var, n, mu, var_u, double(count), factor);
       if (moments != nullptr) {
         moments[n] = mu;
         moments[f.N + n] = var_u;
@@ -66,12 +83,30 @@ bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* _
     f.c[n] = float(post * (gamma * invstd * (pre * bias - mu) + beta));
   }
   if (moments != nullptr && blockIdx.x == 0 && threadIdx.x == 0) moments[2 * f.N] = double(count);
-  if (update) {
-    // momentum=None: the launch is one block, and the barrier orders every read of the counter
-    // before the increment. Otherwise nothing reads it and block 0 increments it once.
-    if (momentum < 0) __syncthreads();
-    if (blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
+  if (update) count_batch(momentum, num_batches_tracked);
+}
+
+// moments: [mean (N), biased variance (N), count]; the count is read on the device (a synchronized
+// batch's lives there), unchecked, as nn.SyncBatchNorm uses it.
+template <class S>
+__global__ void __launch_bounds__(kCumulativeThreads)
+running_stats_kernel(int64_t N, const double* __restrict__ moments, S* running_mean, S* running_var,
+                     int64_t* num_batches_tracked, double momentum) {
+  const double factor = update_factor(momentum, num_batches_tracked);
+  const double count = moments[2 * N];
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N; n += stride) {
+    update_column(running_mean, running_var, n, moments[n], moments[N + n], count, factor);
   }
+  count_batch(momentum, num_batches_tracked);
+}
+
+// Columns per launch: one block of kCumulativeThreads for momentum=None, else kFoldThreads a block.
+template <class Kernel, class... Args>
+void launch_columns(Kernel kernel, int64_t N, bool cumulative, cudaStream_t stream, Args... args) {
+  const int64_t blocks = cumulative ? 1 : std::max<int64_t>((N + kFoldThreads - 1) / kFoldThreads, 1);
+  const int threads = cumulative ? kCumulativeThreads : kFoldThreads;
+  kernel<<<unsigned(std::min<int64_t>(blocks, 65535)), threads, 0, stream>>>(args...);
 }
 
 template <class P, class S>
@@ -79,11 +114,9 @@ void launch_typed(const FoldProblem& f, const double* colsum, const double* cols
                   void* running_mean, void* running_var, int64_t* num_batches_tracked,
                   double momentum, bool training, double* moments, cudaStream_t stream) {
   const bool cumulative = training && running_mean != nullptr && momentum < 0;
-  const int64_t blocks = cumulative ? 1 : std::max<int64_t>((f.N + kFoldThreads - 1) / kFoldThreads, 1);
-  const int threads = cumulative ? kCumulativeThreads : kFoldThreads;
-  bn_fold_kernel<P, S><<<unsigned(std::min<int64_t>(blocks, 65535)), threads, 0, stream>>>(
-      f, colsum, colsumsq, count, static_cast<S*>(running_mean), static_cast<S*>(running_var),
-      num_batches_tracked, momentum, training, moments);
+  launch_columns(bn_fold_kernel<P, S>, f.N, cumulative, stream, f, colsum, colsumsq, count,
+                 static_cast<S*>(running_mean), static_cast<S*>(running_var), num_batches_tracked,
+                 momentum, training, moments);
 }
 
 // stats_fp64: the running statistics are float64 (eval only), else the parameters' dtype.
@@ -123,6 +156,18 @@ void bn_fold_eval(const FoldProblem& f, const void* running_mean, const void* ru
                   bool stats_fp64, cudaStream_t stream) {
   launch(f, nullptr, nullptr, 0, const_cast<void*>(running_mean), const_cast<void*>(running_var),
          nullptr, 0.0, /*training=*/false, /*moments=*/nullptr, stream, stats_fp64);
+}
+
+void update_running_stats(int64_t N, DType stats_dtype, const double* moments, void* running_mean,
+                          void* running_var, int64_t* num_batches_tracked, double momentum,
+                          cudaStream_t stream) {
+  dispatch_dtype(stats_dtype, [&](auto tag) {
+    using S = decltype(tag);
+    launch_columns(running_stats_kernel<S>, N, momentum < 0, stream, N, moments,
+                   static_cast<S*>(running_mean), static_cast<S*>(running_var),
+                   num_batches_tracked, momentum);
+  });
+  check_launch("update_running_stats");
 }
 
 }  // namespace epifuse

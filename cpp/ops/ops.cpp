@@ -379,16 +379,31 @@ FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor
 }
 
 // also_fp64: float64 is accepted too (bn_fold_eval, folding the moments a backward kept).
+// gamma: the tensor whose dtype and length t must have (ref_name: running_mean in
+// update_running_stats).
 void check_running(const at::Tensor& t, const char* name, const at::Tensor& gamma, const char* op,
-                   bool also_fp64 = false) {
+                   bool also_fp64 = false, const char* ref_name = "gamma") {
   check_cuda(t, op, name, gamma);
   EPIFUSE_CHECK(t.scalar_type() == gamma.scalar_type() ||
                     (also_fp64 && t.scalar_type() == at::kDouble),
                 "epifuse::", op, ": expected ", name, " to have dtype ", gamma.scalar_type(),
-                " like gamma", also_fp64 ? " (or float64)" : "", ", got ", t.scalar_type());
+                " like ", ref_name, also_fp64 ? " (or float64)" : "", ", got ", t.scalar_type());
   EPIFUSE_CHECK(t.is_contiguous() && t.dim() == 1 && t.size(0) == gamma.size(0), "epifuse::", op,
               ": expected ", name, " to be a contiguous [", gamma.size(0), "] tensor, got ",
               t.sizes());
+}
+
+// The running-statistics update's settings (bn_fold_train, update_running_stats).
+void check_counter_and_momentum(const at::Tensor& num_batches_tracked,
+                                std::optional<double> momentum, const at::Tensor& ref,
+                                const char* op) {
+  check_cuda(num_batches_tracked, op, "num_batches_tracked", ref);
+  EPIFUSE_CHECK(num_batches_tracked.scalar_type() == at::kLong && num_batches_tracked.numel() == 1,
+              "epifuse::", op, ": expected num_batches_tracked to be a one-element int64 tensor");
+  if (momentum) {
+    EPIFUSE_CHECK_VALUE(*momentum >= 0 && *momentum <= 1, "epifuse::", op,
+                      ": momentum must be in [0, 1] or None, got ", *momentum);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> fold_outputs(const at::Tensor& gamma, FoldProblem& f) {
@@ -420,13 +435,7 @@ std::tuple<at::Tensor, at::Tensor> bn_fold_train_cuda(
   }
   check_running(running_mean, "running_mean", gamma, op);
   check_running(running_var, "running_var", gamma, op);
-  check_cuda(num_batches_tracked, op, "num_batches_tracked", gamma);
-  EPIFUSE_CHECK(num_batches_tracked.scalar_type() == at::kLong && num_batches_tracked.numel() == 1,
-              "epifuse::", op, ": expected num_batches_tracked to be a one-element int64 tensor");
-  if (momentum) {
-    EPIFUSE_CHECK_VALUE(*momentum >= 0 && *momentum <= 1, "epifuse::", op,
-                      ": momentum must be in [0, 1] or None, got ", *momentum);
-  }
+  check_counter_and_momentum(num_batches_tracked, momentum, gamma, op);
   auto outputs = fold_outputs(gamma, f);
   bn_fold_train(f, colsum.data_ptr<double>(), colsumsq.data_ptr<double>(), count,
                 running_mean.data_ptr(), running_var.data_ptr(),
@@ -481,6 +490,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_fold_batch_cuda(
   return {a, c, moments};
 }
 
+// The running statistics (in place) from the moments a training fold returned: bn_fold_batch's, or
+// the synchronized fold's merged ones, whose count (moments[2N]) stays on the device.
+void update_running_stats_cuda(const at::Tensor& moments, const at::Tensor& running_mean,
+                               const at::Tensor& running_var, const at::Tensor& num_batches_tracked,
+                               std::optional<double> momentum) {
+  const char* op = "update_running_stats";
+  const auto guard = guard_for(running_mean, op, "running_mean");
+  const DType dtype = to_dtype(running_mean, op);
+  EPIFUSE_CHECK(running_mean.is_contiguous() && running_mean.dim() == 1, "epifuse::", op,
+                ": expected running_mean to be a contiguous 1-D tensor, got ", running_mean.sizes());
+  const int64_t n = running_mean.size(0);
+  check_running(running_var, "running_var", running_mean, op, false, "running_mean");
+  check_sums(moments, "moments", 2 * n + 1, running_mean, op);
+  check_counter_and_momentum(num_batches_tracked, momentum, running_mean, op);
+  update_running_stats(n, dtype, moments.data_ptr<double>(), running_mean.data_ptr(),
+                       running_var.data_ptr(), num_batches_tracked.data_ptr<int64_t>(),
+                       momentum ? *momentum : -1.0, current_stream());
+}
 
 // ---- row passes ----------------------------------------------------------------------------
 
@@ -861,6 +888,11 @@ TORCH_LIBRARY(epifuse, m) {
                      "Tensor gamma, Tensor beta, Tensor? pre_scale, Tensor? post_scale, ") +
          head_schema_kwargs({"eps"}) + ") -> (Tensor, Tensor, Tensor)")
             .c_str());
+  // moments: [mean (N), biased variance (N), count], float64, as bn_fold_batch returns them.
+  m.def((std::string("update_running_stats(Tensor moments, Tensor(a!) running_mean, "
+                     "Tensor(b!) running_var, Tensor(c!) num_batches_tracked, ") +
+         head_schema_kwargs({"momentum"}) + ") -> ()")
+            .c_str());
   // Backward of a head (python/epifuse/fold.py, "backward").
   m.def("softmax_grad_rowdot(Tensor grad, Tensor out) -> Tensor");
   m.def(("head_grad_sums(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z, Tensor? a=None, "
@@ -894,6 +926,7 @@ TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {
   m.impl("affine_", &epifuse::affine_inplace_cuda);
   m.impl("affine", &epifuse::affine_cuda);
   m.impl("bn_fold_batch", &epifuse::bn_fold_batch_cuda);
+  m.impl("update_running_stats", &epifuse::update_running_stats_cuda);
   m.impl("softmax_grad_rowdot", &epifuse::softmax_grad_rowdot_cuda);
   m.impl("head_grad_sums", &epifuse::head_grad_sums_cuda);
   m.impl("head_grad_coefficients", &epifuse::head_grad_coefficients_cuda);

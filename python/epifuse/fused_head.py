@@ -10,7 +10,7 @@ The op, its backward op ``epifuse::fused_head_backward`` and their autograd are 
 
 which saves z, the softmax's output (softmax heads), the inputs the GEMMs need, and [N]
 vectors. The op is functional: the caller (head.py) updates the running statistics from
-the returned column sums / moments. An eval call with ``for_backward=False`` (head.py: no_grad
+the returned moments (``update_running_stats``: one kernel, no second fold). An eval call with ``for_backward=False`` (head.py: no_grad
 under autocast) runs bn_fold_eval -> gemm_affine (fold and activation in the GEMM's epilogue)
 [-> softmax] and returns the output with z, colsum, colsumsq and moments empty.
 

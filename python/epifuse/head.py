@@ -12,8 +12,8 @@ epifuse ops:
                        softmax, the in-place [activation +] softmax instead)
                 (in place, nothing saved)
   autograd or   the differentiable op epifuse::fused_head (cpp/ops/fused_head.cpp: out of place, saves z
-  synchronized  for its fused backward), then the running-statistics update
-  statistics
+  synchronized  for its fused backward), then update_running_stats from the moments it folded
+  statistics    with (one fold per step)
 
 Anything else runs the reference module sequence, so results (and PyTorch's
 own error messages for bad input) are those of the reference model.
@@ -251,22 +251,15 @@ def _differentiable_forward(x: Tensor, parts: _Parts, config: HeadConfig,
     """epifuse::fused_head, then the running-statistics update it leaves to its caller."""
     p = parts
     with _range("epifuse.fused_head"):
-        out, _, colsum, colsumsq, moments = fused_head(
+        out, _, _, _, moments = fused_head(
             x, p.weight, p.bias, p.gamma, p.beta, p.scale, p.running_mean, p.running_var,
             **config.kwargs())
     if config.training and update_running_stats:
+        # From the moments the op folded with (the batch's, or all ranks' merged ones, whose count
+        # stays on the device): one kernel, no second fold.
         with _range("epifuse.running_stats"), torch.no_grad():
-            if not config.group_name:
-                # bn_fold_train's update from the batch sums (its a, c repeat the op's).
-                pre, post = split_scale(config, p.scale)
-                ops.bn_fold_train(colsum, colsumsq, x.shape[0], p.bias, p.gamma, p.beta, pre, post,
-                                  p.running_mean, p.running_var, p.num_batches_tracked,
-                                  momentum=config.momentum, eps=config.eps)
-            else:  # the merged moments; their count (all ranks' rows) stays on the device
-                n = p.gamma.numel()
-                fold.update_running_stats(p.running_mean, p.running_var, p.num_batches_tracked,
-                                          moments[:n], moments[n:2 * n], moments[2 * n],
-                                          config.momentum)
+            ops.update_running_stats(moments, p.running_mean, p.running_var,
+                                     p.num_batches_tracked, momentum=config.momentum)
     return out
 
 

@@ -41,7 +41,8 @@ class HeadConfig(NamedTuple):
     # LeakyReLU's slope for negative inputs (its default); the other activations ignore it.
     negative_slope: float = 0.01
     # BatchNorm's momentum for the running-statistics update (None: cumulative average). The
-    # functional fused_head carries it unused; head.py passes it to bn_fold_train.
+    # functional fused_head carries it unused; head.py passes it to bn_fold_train (no autograd)
+    # or update_running_stats (after fused_head).
     momentum: Optional[float] = 0.1
     # BatchNorm's eps.
     eps: float = 1e-5

@@ -137,11 +137,13 @@ def check_fold(bias: Optional[Tensor], gamma: Tensor, beta: Tensor, pre_scale: O
     check_kernel_dtype(gamma, op)
 
 
-def check_running(t: Tensor, name: str, gamma: Tensor, op: str, also_fp64: bool = False) -> None:
-    """also_fp64: float64 is accepted too (bn_fold_eval, folding the moments a backward kept)."""
+def check_running(t: Tensor, name: str, gamma: Tensor, op: str, also_fp64: bool = False,
+                  ref_name: str = "gamma") -> None:
+    """also_fp64: float64 is accepted too (bn_fold_eval, folding the moments a backward kept).
+    ``gamma``: the tensor whose dtype and length t must have (``ref_name`` names it)."""
     if t.dtype != gamma.dtype and not (also_fp64 and t.dtype == torch.float64):
         raise RuntimeError(f"epifuse::{op}: expected {name} to have dtype "
-                           f"{type_name(gamma.dtype)} like gamma"
+                           f"{type_name(gamma.dtype)} like {ref_name}"
                            f"{' (or float64)' if also_fp64 else ''}, got {type_name(t.dtype)}")
     if not (t.is_contiguous() and t.dim() == 1 and t.shape[0] == gamma.shape[0]):
         raise RuntimeError(f"epifuse::{op}: expected {name} to be a contiguous "
@@ -163,6 +165,28 @@ def check_fold_train(colsum: Tensor, colsumsq: Tensor, count: int, gamma: Tensor
                                f"float64 [{n}] tensors, got {type_name(s.dtype)} {_sizes(s)}")
     check_running(running_mean, "running_mean", gamma, op)
     check_running(running_var, "running_var", gamma, op)
+    _check_counter_and_momentum(num_batches_tracked, momentum, op)
+
+
+def check_update_running_stats(moments: Tensor, running_mean: Tensor, running_var: Tensor,
+                               num_batches_tracked: Tensor, momentum: Optional[float]) -> None:
+    """update_running_stats's checks, in the CUDA op's order."""
+    op = "update_running_stats"
+    check_kernel_dtype(running_mean, op)
+    if not (running_mean.is_contiguous() and running_mean.dim() == 1):
+        raise RuntimeError(f"epifuse::{op}: expected running_mean to be a contiguous 1-D tensor, "
+                           f"got {_sizes(running_mean)}")
+    check_running(running_var, "running_var", running_mean, op, ref_name="running_mean")
+    n = 2 * running_mean.shape[0] + 1
+    if not (moments.dtype == torch.float64 and moments.is_contiguous() and moments.dim() == 1
+            and moments.shape[0] == n):
+        raise RuntimeError(f"epifuse::{op}: expected moments to be a contiguous float64 [{n}] "
+                           f"tensor, got {type_name(moments.dtype)} {_sizes(moments)}")
+    _check_counter_and_momentum(num_batches_tracked, momentum, op)
+
+
+def _check_counter_and_momentum(num_batches_tracked: Tensor, momentum: Optional[float],
+                                op: str) -> None:
     if num_batches_tracked.dtype != torch.int64 or num_batches_tracked.numel() != 1:
         raise RuntimeError(f"epifuse::{op}: expected num_batches_tracked to be a one-element "
                            f"int64 tensor")

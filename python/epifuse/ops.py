@@ -39,6 +39,7 @@ OP_NAMES = (
     "epifuse::affine_",
     "epifuse::affine",
     "epifuse::bn_fold_batch",
+    "epifuse::update_running_stats",
     "epifuse::softmax_grad_rowdot",
     "epifuse::head_grad_sums",
     "epifuse::head_grad_coefficients",
@@ -59,6 +60,7 @@ _affine_softmax_inplace = _ops.affine_softmax_.default
 _affine_inplace = _ops.affine_.default
 _affine = _ops.affine.default
 _bn_fold_batch = _ops.bn_fold_batch.default
+_update_running_stats = _ops.update_running_stats.default
 _softmax_grad_rowdot = _ops.softmax_grad_rowdot.default
 _head_grad_sums = _ops.head_grad_sums.default
 _head_grad_coefficients = _ops.head_grad_coefficients.default
@@ -167,6 +169,16 @@ def bn_fold_batch(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[T
     """
     return _bn_fold_batch(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale,
                           eps=eps)
+
+
+def update_running_stats(moments: Tensor, running_mean: Tensor, running_var: Tensor,
+                         num_batches_tracked: Tensor, *,
+                         momentum: Optional[float] = _D.momentum) -> None:
+    """nn.BatchNorm's running-statistics update, in place, from a training fold's ``moments``
+    (bn_fold_batch's, or a synchronized batch's merged ones: ``[mean(N), var(N), count]``, the
+    count read where it lives, unchecked, as nn.SyncBatchNorm does)."""
+    _update_running_stats(moments, running_mean, running_var, num_batches_tracked,
+                          momentum=momentum)
 
 
 # Backward of a head (see fold.py's backward section for the math).
@@ -342,6 +354,16 @@ def _bn_fold_batch_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, po
     return f.a.float(), f.c.float(), fold.moments_vector(f.mean, f.var, count)
 
 
+@torch.library.register_kernel("epifuse::update_running_stats", "cpu")
+def _update_running_stats_cpu(moments, running_mean, running_var, num_batches_tracked, *,
+                              momentum=_D.momentum):
+    _checks.check_update_running_stats(moments, running_mean, running_var, num_batches_tracked,
+                                       momentum)
+    n = running_mean.shape[0]
+    fold.update_running_stats(running_mean, running_var, num_batches_tracked, moments[:n],
+                              moments[n:2 * n], moments[2 * n], momentum)
+
+
 def _check_grad_operands(grad: Tensor, z: Tensor, out: Optional[Tensor]) -> None:
     if grad.dim() != 2 or grad.shape != z.shape or (out is not None and out.shape != z.shape):
         raise RuntimeError(f"epifuse: expected grad, z (and out) of one [M, N] shape, got "
@@ -490,6 +512,12 @@ def _bn_fold_batch_fake(colsum, colsumsq, count, bias, gamma, beta, pre_scale, p
                         eps=_D.eps):
     n = colsum.shape[0]
     return _vec_f32(colsum, n), _vec_f32(colsum, n), colsum.new_empty((2 * n + 1,), dtype=_F64)
+
+
+@torch.library.register_fake("epifuse::update_running_stats")
+def _update_running_stats_fake(moments, running_mean, running_var, num_batches_tracked, *,
+                               momentum=_D.momentum):
+    return None
 
 
 @torch.library.register_fake("epifuse::softmax_grad_rowdot")

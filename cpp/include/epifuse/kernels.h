@@ -195,6 +195,12 @@ void bn_fold_eval(const FoldProblem& f, const void* running_mean, const void* ru
 void bn_fold_batch(const FoldProblem& f, const double* colsum, const double* colsumsq,
                    int64_t count, double* moments, cudaStream_t stream);
 
+// The running-statistics update alone, from such moments (fp64 [2N + 1]; a synchronized batch's merged
+// moments too): as bn_fold_train's, in place, the count read on the device. momentum < 0 means None.
+void update_running_stats(int64_t N, DType stats_dtype, const double* moments, void* running_mean,
+                          void* running_var, int64_t* num_batches_tracked, double momentum,
+                          cudaStream_t stream);
+
 // ---- Row passes over an [M, N] matrix with row stride ld ---------------------------------------
 // Row passes read `in` in in_dtype and write `out` in out_dtype: the same dtype, or a 16-bit input
 // with an fp32 output (autocast: z in the GEMM's 16-bit dtype, the head's output in fp32).

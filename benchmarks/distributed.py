@@ -10,7 +10,11 @@ batch is ``--nproc`` times it. One process per GPU (NCCL), started by this modul
 Timing: a fixed number of warm-up and timed steps on every rank (each step runs collectives,
 so every rank must run the same count), CUDA events around each step on the current stream,
 inputs rotated so that consecutive steps do not find theirs in L2. A row reports the slowest
-rank's median. ``--device cpu`` is a dry run at tiny sizes (gloo; nn.SyncBatchNorm has no CPU
+rank's median. Host time per step beside it (``timing.measure_host``: ``time.perf_counter``
+around each step issued while a spin kernel keeps the GPU busy, so that the host's own cost is
+what is timed, Python, dispatch, allocation and launches; the synchronized statistics' path must
+not synchronize with the device, or the GPU goes idle and the row says so): where the host, not
+the GPU, is what a rank waits on, NCCL waits for the slower rank's host too. ``--device cpu`` is a dry run at tiny sizes (gloo; nn.SyncBatchNorm has no CPU
 kernels, so the reference's BatchNorm runs epifuse's pure-PyTorch synchronized BatchNorm):
 it tests this module's plumbing, its timings mean nothing.
 """
@@ -37,7 +41,7 @@ from epifuse import distributed as ef_dist, head
 from .cases import DTYPES, Case, Shape, base_state, build, input_bytes, make_inputs, make_step
 from .cases import problem_shapes
 from .report import fmt_ms, fmt_x, table
-from .timing import Settings, measure, rotation_count
+from .timing import Settings, measure, measure_host, rotation_count
 
 DEFAULT_DTYPES = ("fp32-3xtf32", "fp32-tf32", "bf16")
 PROBLEMS = (84, 39)
@@ -53,6 +57,9 @@ class StepResult:
     reference_ms: float
     path: str  # ModelNew's path on the slowest rank ("fused" or the reason it was not)
     output_err: float  # ours vs the reference on the first step, relative Frobenius, max over ranks
+    ours_host_ms: float = float("nan")  # host time to issue a step, slowest rank's median
+    reference_host_ms: float = float("nan")
+    gpu_kept_busy: bool = True  # False: a step synchronized with the device on some rank
 
     @property
     def speedup(self) -> float:
@@ -117,9 +124,15 @@ def _run_config(shape: Shape, dtype: str, ddp: bool, device: torch.device, rank:
         # Fixed counts: every step runs collectives, so every rank must run the same number.
         times = [measure(make_step(m, m), pairs, device, Settings.fixed(warmup, iters)).median
                  * 1e3 for m in (new, ref)]
-    ours, reference, err = _slowest([*times, err], device)
+        # Host time: the same fixed counts on every rank (the steps run collectives).
+        hosts = [measure_host(lambda step=make_step(m, m): step(pairs[0]), device,
+                              warmup=warmup, rounds=3, calls=iters) for m in (new, ref)]
+    busy = all(h["gpu_kept_busy"] is not False for h in hosts)
+    ours, reference, err, ours_host, ref_host, idle = _slowest(
+        [*times, err, *(h["median_us"] * 1e-3 for h in hosts), float(not busy)], device)
     return StepResult(shape.problem, str(shape), dtype, ddp, ours, reference,
-                      "fused" if reason is None else f"reference ({reason})", err)
+                      "fused" if reason is None else f"reference ({reason})", err, ours_host,
+                      ref_host, idle == 0.0)
 
 
 def _free_port() -> int:
@@ -162,12 +175,18 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
 def markdown_table(results: list[StepResult], nproc: int, device_name: str,
                    markdown: bool = True) -> str:
     headers = ["problem (per rank)", "dtype", "DDP", "ours ms", "SyncBatchNorm ms", "speedup",
-               "output err vs SyncBN", "path"]
+               "output err vs SyncBN", "path", "host ms ours / SyncBN"]
+
+    def host(r: StepResult) -> str:
+        cell = f"{fmt_ms(r.ours_host_ms)} / {fmt_ms(r.reference_host_ms)}"
+        return cell if r.gpu_kept_busy else cell + " (a step synchronized: GPU went idle)"
+
     rows = [[f"{r.problem}: {r.shape}", r.dtype, "yes" if r.ddp else "no", fmt_ms(r.ours_ms),
-             fmt_ms(r.reference_ms), fmt_x(r.speedup), f"{r.output_err:.1e}", r.path]
+             fmt_ms(r.reference_ms), fmt_x(r.speedup), f"{r.output_err:.1e}", r.path, host(r)]
             for r in results]
     return (f"Training step on {nproc} x {device_name}, synchronized batch statistics (slowest "
-            f"rank's median)\n\n" + table(headers, rows, 3, markdown))
+            f"rank's median; host ms: the host's time to issue one step)\n\n"
+            + table(headers, rows, 3, markdown))
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -183,6 +183,11 @@ def test_distributed_bench_dry_run_on_cpu(tmp_path):
     assert "Training step on 2 x CPU (dry run)" in text
     rows = [line for line in text.splitlines() if line.startswith("| 39:")]
     assert len(rows) == 2 and {"no", "yes"} == {r.split("|")[3].strip() for r in rows}
+    # The host time per step, ours / the reference's, beside the step times.
+    assert "host ms ours / SyncBN" in text
+    for row in rows:
+        ours, ref = (float(v) for v in row.split("|")[-2].split("/"))
+        assert ours > 0 and ref > 0, row
 
 
 def test_distributed_bench_rejects_bad_arguments(capsys):

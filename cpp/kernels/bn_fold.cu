@@ -22,8 +22,6 @@ namespace {
 constexpr int kFoldThreads = 256;          // per block, one column per thread
 constexpr int kCumulativeThreads = 1024;   // the single block of momentum=None training
 
-// P: the parameters' type; S: the running statistics' (P, or double when eval folds from the
-// float64 moments a backward kept).
 // nn.BatchNorm's update of column n: the running variance tracks the unbiased variance.
 template <class S>
 __device__ __forceinline__ void update_column(S* running_mean, S* running_var, int64_t n, double mu,
@@ -45,6 +43,8 @@ __device__ __forceinline__ void count_batch(double momentum, int64_t* num_batche
   if (blockIdx.x == 0 && threadIdx.x == 0) *num_batches_tracked += 1;
 }
 
+// P: the parameters' type; S: the running statistics' (P, or double when eval folds from the
+// float64 moments a backward kept).
 template <class P, class S>
 __global__ void __launch_bounds__(kCumulativeThreads)
 bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* __restrict__ colsumsq,

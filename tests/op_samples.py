@@ -110,7 +110,9 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
         "head_grad_z": [case(grad, out, rowdot, z, coef), case(grad, None, None, z, coef),
                         case(grad, None, None, z, coef, a, c, activation="silu"),
                         case(grad, out, rowdot, z, coef, a, c, activation="gelu_tanh")],
-        "backward_matmul": [case(z, t(n, k), prec), case(z.t(), x, prec)],
+        "backward_matmul": [case(z, t(n, k), prec), case(z.t(), x, prec),
+                            # dW under autocast: written in fp32 by the GEMM (16-bit samples)
+                            case(z.t(), x, prec, out_dtype=torch.float32)],
         # (x, weight, bias, gamma, beta, scale, running_mean, running_var, *, HeadConfig's fields)
         "fused_head": [
             case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=True,

@@ -135,6 +135,26 @@ def test_bn_fold_train_cpu_matches_batchnorm1d(momentum, position):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype_id", ["fp16", "bf16"])
+def test_backward_matmul_fp32_out_keeps_the_16_bit_overflow(device, dtype_id):
+    """backward_matmul(out_dtype=float32) of 16-bit operands (dW under autocast): the product in
+    fp32, with +-inf exactly where the fp16 product overflows (GradScaler then skips the steps
+    eager's fp16 dW makes it skip); bf16 has fp32's range, so nothing overflows there."""
+    dtype = DTYPES[dtype_id]
+    rows = torch.tensor([1.0, -10.0, 100.0, -1000.0])[:, None]
+    cols = torch.tensor([1.0, 10.0, -100.0])[None, :]
+    a = (torch.ones(4, 8) * rows).to(device, dtype)
+    b = (torch.ones(8, 3) * cols).to(device, dtype)
+    got = ops.backward_matmul(a, b, "", out_dtype=torch.float32)
+    exact = 8 * rows * cols  # small integers: exact in every dtype here
+    assert got.dtype == torch.float32 and got.device.type == device
+    want = exact.half().float() if dtype == torch.float16 else exact
+    assert torch.equal(got.cpu(), want), (got, want)
+    assert torch.isinf(got).any() == (dtype == torch.float16)
+    assert ops.backward_matmul(a, b, "").dtype == dtype  # without out_dtype: a's dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype_id", ["fp32", "bf16"])
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["mom0.1", "momNone"])
 def test_update_running_stats_from_the_batch_moments_matches_batchnorm1d(momentum, dtype_id,

@@ -250,15 +250,14 @@ Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const O
   if (needs[0] || needs[1]) {
     // dz in z's dtype: the GEMM's, so dX and dW run in it too (under autocast, as eager's). dX
     // comes back in that dtype (the autograd casts it to x's, as eager's cast of x does). dW goes
-    // to the parameters' dtype: under bf16 autocast the GEMM writes it in fp32 itself (no bf16
-    // result, no cast pass; bf16 has fp32's range, so no overflow is lost); under fp16 it is an
-    // fp16 result cast, as in eager, so that an fp16 overflow shows up as the same inf and
-    // GradScaler skips the same steps.
+    // to the parameters' dtype: under autocast the GEMM writes it in fp32 itself (no 16-bit
+    // result, no cast pass); in fp16 with inf wherever the fp16 product would overflow (bf16 has
+    // fp32's range), so that GradScaler skips the same steps as eager's.
     const Tensor dz = head_grad_z().call(grad, softmax_out, rowdot, z, coef, a, c,
                                          cfg.activation, cfg.negative_slope);
     if (needs[0]) grad_x = backward_matmul().call(dz, *weight, cfg.precision, std::nullopt);
     if (needs[1]) {
-      const bool fp32_out = gamma.scalar_type() == at::kFloat && dz.scalar_type() == at::kBFloat16;
+      const bool fp32_out = gamma.scalar_type() == at::kFloat && dz.element_size() == 2;
       grad_w = backward_matmul().call(dz.t(), *x, cfg.precision,
                                       fp32_out ? OptDType(at::kFloat) : std::nullopt);
       if (grad_w.scalar_type() != gamma.scalar_type()) grad_w = grad_w.to(gamma.scalar_type());

@@ -827,11 +827,16 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                 "x", a.size(1), " and ", b.size(0), "x", b.size(1), ")");
   if (out_dtype && *out_dtype != a.scalar_type()) {
     // A 16-bit product written in fp32 by cuBLAS itself (dW of a head under autocast, in the fp32
-    // parameters' dtype): no 16-bit result, no cast pass.
+    // parameters' dtype): no 16-bit result, no cast pass. From fp16 operands it overflows where
+    // the fp16 product would (fp16_overflow.cu), so GradScaler sees eager's infs.
     EPIFUSE_CHECK(*out_dtype == at::kFloat && a.element_size() == 2, "epifuse::", op,
                   ": out_dtype must be a's dtype (", a.scalar_type(),
                   ") or float32 for 16-bit a and b, got ", *out_dtype);
-    return at::mm(a, b, at::kFloat);
+    at::Tensor product = at::mm(a, b, at::kFloat);
+    if (a.scalar_type() == at::kHalf) {
+      fp16_overflow_(product.data_ptr<float>(), product.numel(), current_stream());
+    }
+    return product;
   }
   // a . b = a . (b^T)^T: the GEMM of the forward with b^T as its weight, a view (no copy).
   // Only the Hopper 3xTF32 plan runs here (its split reads any strides); everything else is cuBLAS,
@@ -905,7 +910,8 @@ TORCH_LIBRARY(epifuse, m) {
             .c_str());
   m.def(("head_grad_z(Tensor grad, Tensor? out, Tensor? rowdot, Tensor z, Tensor coef, "
          "Tensor? a=None, Tensor? c=None, " + activation + ") -> Tensor").c_str());
-  // out_dtype: a's (None) or float32 for 16-bit a and b (written by the GEMM).
+  // out_dtype: a's (None) or float32 for 16-bit a and b (written by the GEMM; from fp16 operands,
+  // inf where the fp16 product would overflow).
   m.def("backward_matmul(Tensor a, Tensor b, str precision, *, ScalarType? out_dtype=None) -> Tensor");
   // Build information (no tensors, so one kernel for every backend): the GPU architectures the
   // kernels were compiled for, e.g. "80,90a", and whether they run on compute capability major.minor.

@@ -144,6 +144,10 @@ void gemm_run(const GemmPlan& plan, const GemmProblem& p, const EpilogueOperands
 // first, because the copy costs less than the slower kernel cuBLAS takes for that layout.
 KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int device_cc_major, int device_cc_minor);
 
+// In place over n contiguous floats of an fp32 product of fp16 operands: +-inf
+// wherever the fp16 product would have overflowed (|v| >= 65520), everything else unchanged.
+void fp16_overflow_(float* p, int64_t n, cudaStream_t stream);
+
 // dst [rows, cols] (row stride ld_dst) = src^T, src [cols, rows] (row stride ld_src): dst[r, c] =
 // src[c, r]. E.g. a row-major copy of a column-major view (a K-major copy of an MN-major operand).
 void transpose(const void* src, int64_t ld_src, void* dst, int64_t ld_dst, int64_t rows,

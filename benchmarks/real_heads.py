@@ -9,7 +9,7 @@ Models (sizes of MoCo v3's projector on a ResNet-50 and of an ImageNet classifie
                -> Linear(4096, 256) -> BatchNorm1d(256, affine=False)
   classifier   Linear(2048, 4096) -> BN -> GELU -> Linear(4096, 1000) -> BN -> Softmax(dim=1)
 Settings: fp32 at PyTorch's default precision ('highest'), TF32 ('high'), and torch.autocast bf16
-(fp32 parameters and inputs, the backward outside the region). Modes: training-mode forward
+and fp16 (fp32 parameters and inputs, the backward outside the region). Modes: training-mode forward
 (no_grad), eval forward, training step (forward + backward with dX, the parameters' versions
 bumped each step as an optimizer's update would). Timing as the main benchmark
 (benchmarks/timing.py: CUDA events, inputs rotated, implementations interleaved in 3 rounds).
@@ -34,7 +34,8 @@ from . import timing
 from .cases import make_step
 
 MODELS = ("projection", "classifier")
-SETTINGS = ("fp32", "tf32", "amp-bf16")
+SETTINGS = ("fp32", "tf32", "amp-bf16", "amp-fp16")
+AUTOCAST_DTYPES = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
 MODES = ("train", "eval", "train-step")
 
 
@@ -67,8 +68,8 @@ def _in_region(fn: Callable, setting: str, device: torch.device) -> Callable:
     if not setting.startswith("amp-"):
         return fn
 
-    def call(x):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+    def call(x, dtype=AUTOCAST_DTYPES[setting]):
+        with torch.autocast(device.type, dtype=dtype):
             return fn(x)
     return call
 

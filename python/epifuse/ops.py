@@ -443,18 +443,18 @@ def _backward_matmul_cpu(a, b, precision, *, out_dtype=None):
     product = a.to(_F64) @ b.to(_F64)
     dtype = _out_dtype(a, out_dtype, "backward_matmul")
     if a.dtype == torch.float16 and dtype != a.dtype:  # fp32 out: fp16's overflow kept
-        product = fp16_overflow(product)
+        product = _fp16_overflow(product)
     return product.to(dtype)
 
 
 # The smallest magnitude that fp16 rounds to inf (halfway above its largest, 65504).
-FP16_OVERFLOW = 65520.0
+_FP16_OVERFLOW = 65520.0
 
 
-def fp16_overflow(t: Tensor) -> Tensor:
+def _fp16_overflow(t: Tensor) -> Tensor:
     """A wider product of fp16 operands with fp16's overflow: +-inf where ``|t| >= 65520``, as
     the fp16 product would hold (backward_matmul's fp32 output from fp16 operands; NaN stays)."""
-    return torch.where(t.abs() >= FP16_OVERFLOW, t.sign() * float("inf"), t)
+    return torch.where(t.abs() >= _FP16_OVERFLOW, t.sign() * float("inf"), t)
 
 
 # --------------------------------------------------------------------------- fake kernels

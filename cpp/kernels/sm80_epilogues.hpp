@@ -2,7 +2,8 @@
 // CUTLASS's Sm80 visitor nodes. Same contract as the Hopper trees in epilogues.hpp:
 //
 //   PerColumnAffine   (eval mode)      D = a[n] * acc + c[n]
-//   ColumnStatistics  (training mode)  D = acc,  colsum[n] += acc,  colsumsq[n] += acc^2 (fp64)
+//   ColumnStatistics  (training mode)  D = z = D(acc),  colsum[n] += z,  colsumsq[n] += z^2 (fp64)
+//                                      (the statistics of z as stored: epilogues.hpp says why)
 //
 // The 2.x trees end in an explicit store node (the 3.x collective stores the root's output itself).
 // The column reductions sum each CTA's rows in registers and shared memory, then add the CTA's
@@ -12,6 +13,8 @@
 #include "cute/tensor.hpp"
 #include "cutlass/epilogue/threadblock/fusion/visitors.hpp"
 #include "cutlass/functional.h"
+
+#include <type_traits>
 
 namespace epifuse::sm80::evt {
 
@@ -52,7 +55,7 @@ typename Tree::Arguments per_column_affine_args(const float* a, const float* c, 
   return {{{a, 0.f, column}, {}, {c, 0.f, column}, {}}, {out, {ldo, _1{}, int64_t(0)}}};
 }
 
-// ---- training: D = acc, per-column sum and sum of squares in fp64 -----------------------------
+// ---- training: D = z, per-column sum and sum of squares of z in fp64 -------------------------
 
 // x * x per element of a fragment (fp64: the square of an fp32 value is exact in double).
 template <class Fragment>
@@ -74,6 +77,31 @@ struct FirstOperand {
   }
 };
 
+// Each fp32 element of a fragment rounded to ElementD and back (exact in fp32): z as the GEMM
+// stores it. The identity for an fp32 ElementD.
+template <class ElementD>
+struct RoundedTo {
+  template <class Fragment>
+  struct Op {
+    CUTLASS_HOST_DEVICE Fragment operator()(Fragment const& x) const {
+      if constexpr (std::is_same_v<ElementD, float>) {
+        return x;
+      } else {
+        Fragment y;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < Fragment::kElements; ++i) y[i] = float(ElementD(x[i]));
+        return y;
+      }
+    }
+  };
+};
+
+// z as stored: the accumulator rounded to ElementD (fp32 values).
+template <class ElementD>
+using Stored =
+    tb::Sm80EVT<tb::VisitorCompute<RoundedTo<ElementD>::template Op, float, float, kRound>,
+                Accumulator>;
+
 // Per-column sum over the problem's rows in fp64 (the node widens its input to double itself);
 // rows past M are skipped by the node's bounds check.
 template <class ThreadMap>
@@ -83,19 +111,19 @@ using ColumnSum = tb::VisitorRowReduction<cutlass::plus, cutlass::atomic_add, Th
 template <class ThreadMap, class ElementD>
 using ColumnStatistics = tb::Sm80EVT<
     StoreD<ThreadMap, ElementD>,
-    tb::Sm80EVT<tb::VisitorCompute<FirstOperand, ElementD, float, kRound>,        // D = acc
-                tb::Sm80EVT<ColumnSum<ThreadMap>, Accumulator>,                    // colsum
+    tb::Sm80EVT<tb::VisitorCompute<FirstOperand, ElementD, float, kRound>,        // D = z
+                tb::Sm80EVT<ColumnSum<ThreadMap>, Stored<ElementD>>,               // colsum
                 tb::Sm80EVT<ColumnSum<ThreadMap>,                                  // colsumsq
                             tb::Sm80EVT<tb::VisitorCompute<SquareOf, double, double, kRound>,
-                                        Accumulator>>>>;
+                                        Stored<ElementD>>>>>;
 
 // Arguments in the tree's order:
-//   {{{acc, colsum}, {{acc, square}, colsumsq}, first-operand}, store D}.
+//   {{{{acc, round}, colsum}, {{{acc, round}, square}, colsumsq}, first-operand}, store D}.
 template <class Tree, class ElementD>
 typename Tree::Arguments column_statistics_args(double* colsum, double* colsumsq, ElementD* out,
                                                 int64_t ldo, int N) {
   const StrideColumn column{_0{}, _1{}, int32_t(N)};
-  return {{{{}, {colsum, 0.0, column}}, {{{}, {}}, {colsumsq, 0.0, column}}, {}},
+  return {{{{{}, {}}, {colsum, 0.0, column}}, {{{{}, {}}, {}}, {colsumsq, 0.0, column}}, {}},
           {out, {ldo, _1{}, int64_t(0)}}};
 }
 

@@ -465,6 +465,13 @@ Tensor6 fused_head_backward_autograd(const Tensor& grad, const OptTensor& x, con
                                      const OptTensor& colsumsq, const Tensor& moments,
                                      Needs needs EPIFUSE_HEAD_PARAMS) {
   const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
+  if (!at::GradMode::is_enabled()) {
+    // The usual backward (no create_graph): nothing will differentiate the result, so no node
+    // is recorded; skipping Function::apply's bookkeeping saves host time on every step.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return fused_head_backward_op().call(grad, x, weight, bias, gamma, beta, scale, z, out,
+                                         colsum, colsumsq, moments, needs EPIFUSE_HEAD_ARGS);
+  }
   const variable_list r = FusedHeadBackward::apply(grad, x, weight, bias, gamma, beta, scale, z,
                                                    out, colsum, colsumsq, moments, needs, cfg);
   return {r[0], r[1], r[2], r[3], r[4], r[5]};

@@ -53,7 +53,7 @@ def batch_moments(colsum: Tensor, colsumsq: Tensor, count: int) -> tuple[Tensor,
         raise ValueError(f"count must be >= 1, got {count}")
     s1 = colsum.detach().to(_F64)
     mean = s1 / count
-    # The sums come from the fp32 accumulators and are summed in float64, so the
+    # The sums are of z as stored (fp32 or 16-bit values) summed in float64, so the
     # textbook formula is accurate enough unless |mean| / std exceeds ~1e6;
     # clamp the rounding residue so that a constant column gives var 0, not < 0.
     var = (colsumsq.detach().to(_F64) / count - mean * mean).clamp_min_(0.0)

@@ -102,7 +102,8 @@ def gemm_affine(x: Tensor, weight: Tensor, a: Tensor, c: Tensor, precision: str,
 
 
 def gemm_colstats(x: Tensor, weight: Tensor, precision: str) -> tuple[Tensor, Tensor, Tensor]:
-    """``z = x @ weight.T`` and float64 column sums / sums of squares of the fp32 accumulator."""
+    """``z = x @ weight.T`` and float64 column sums / sums of squares of z as returned (a 16-bit
+    z's statistics are those of its rounded values, which BatchNorm then normalizes)."""
     return _gemm_colstats(x, weight, precision)
 
 
@@ -264,9 +265,9 @@ def _gemm_affine_cpu(x, weight, a, c, precision, *, activation=_D.activation,
 @torch.library.register_kernel("epifuse::gemm_colstats", "cpu")
 def _gemm_colstats_cpu(x, weight, precision):
     _checks.check_gemm(x, weight, precision, "gemm_colstats")
-    z64 = _gemm64(x, weight)
-    colsum, colsumsq = fold.column_stats(z64)
-    return z64.to(x.dtype), colsum, colsumsq
+    z = _gemm64(x, weight).to(x.dtype)
+    colsum, colsumsq = fold.column_stats(z)
+    return z, colsum, colsumsq
 
 
 @torch.library.register_kernel("epifuse::bn_fold_train", "cpu")

@@ -36,7 +36,8 @@ bool supports_device(int cc_major, int cc_minor);
 // What the GEMM epilogue does with the fp32 accumulator acc[m, n] = sum_k x[m, k] * w[n, k].
 enum class Epilogue {
   kAffine,       // out[m, n] = act(a[n] * acc + c[n]), act the head's activation (none: identity)
-  kColumnStats,  // out[m, n] = acc; colsum[n] = sum_m acc, colsumsq[n] = sum_m acc^2 (fp64)
+  kColumnStats,  // out[m, n] = z = acc (rounded to out's dtype); colsum[n] = sum_m z,
+                 // colsumsq[n] = sum_m z^2 (fp64): the statistics of z as stored
 };
 
 struct GemmProblem {

@@ -62,25 +62,29 @@ c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* 
   return c10::cuda::CUDAGuard(t.device());
 }
 
+void check_fold_param(const at::Tensor& t, const char* name, bool scale, int64_t N,
+                      const at::Tensor& like, const char* like_name, const char* op) {
+  check_cuda(t, op, name, like);
+  EPIFUSE_CHECK(t.scalar_type() == like.scalar_type(), "epifuse::", op, ": expected ", name,
+                " to have dtype ", like.scalar_type(), " like ", like_name, ", got ", t.scalar_type());
+  EPIFUSE_CHECK(t.is_contiguous(), "epifuse::", op, ": expected ", name, " to be contiguous");
+  if (scale) {
+    EPIFUSE_CHECK(t.numel() == 1 || (t.dim() == 1 && t.numel() == N), "epifuse::", op,
+                  ": expected ", name, " to have 1 or ", N, " elements (one per column), got shape ",
+                  t.sizes());
+  } else {
+    EPIFUSE_CHECK(t.dim() == 1 && t.numel() == N, "epifuse::", op, ": expected ", name,
+                  " of shape [", N, "], got ", t.sizes());
+  }
+}
+
 FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
                          const at::Tensor& beta, const std::optional<at::Tensor>& pre_scale,
                          const std::optional<at::Tensor>& post_scale, double eps, const char* op) {
   EPIFUSE_CHECK(gamma.dim() == 1, "epifuse::", op, ": expected gamma to be 1-D, got ", gamma.sizes());
   const int64_t N = gamma.size(0);
-  const auto dtype = gamma.scalar_type();
   auto check_param = [&](const at::Tensor& t, const char* name, bool scale) {
-    check_cuda(t, op, name, gamma);
-    EPIFUSE_CHECK(t.scalar_type() == dtype, "epifuse::", op, ": expected ", name, " to have dtype ",
-                dtype, " like gamma, got ", t.scalar_type());
-    EPIFUSE_CHECK(t.is_contiguous(), "epifuse::", op, ": expected ", name, " to be contiguous");
-    if (scale) {
-      EPIFUSE_CHECK(t.numel() == 1 || (t.dim() == 1 && t.numel() == N), "epifuse::", op,
-                  ": expected ", name, " to have 1 or ", N, " elements (one per column), got shape ",
-                  t.sizes());
-    } else {
-      EPIFUSE_CHECK(t.dim() == 1 && t.numel() == N, "epifuse::", op, ": expected ", name,
-                  " of shape [", N, "], got ", t.sizes());
-    }
+    check_fold_param(t, name, scale, N, gamma, "gamma", op);
   };
   check_param(gamma, "gamma", false);
   check_param(beta, "beta", false);

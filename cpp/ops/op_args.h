@@ -60,6 +60,11 @@ c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* 
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// A parameter vector of a fold (argument `name` of `op`): on like's device and in its dtype
+// (like_name names it in the message), contiguous, [N] or, for a scale, 1 or N elements.
+void check_fold_param(const at::Tensor& t, const char* name, bool scale, int64_t N,
+                      const at::Tensor& like, const char* like_name, const char* op);
+
 // Validates the parameter vectors (one dtype, on one device, contiguous) into a FoldProblem.
 FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
                          const at::Tensor& beta, const std::optional<at::Tensor>& pre_scale,

@@ -33,9 +33,9 @@ sums, the reference path (``_SyncedNormalize``) from its own.
 Every rank issues the same collectives in the same order whichever path it
 takes (one all_gather in the forward, one all_reduce in the backward), so a
 rank whose batch is empty or of one row (reference path) can train beside
-ranks on the fused path. They are the same c10d calls, too: gather_moments runs the
-functional all_gather the C++ hooks run (c10d's allgather_into_tensor_coalesced), and
-dist.all_reduce is c10d's allreduce, which the hooks' functional all_reduce runs.
+ranks on the fused path. They are the same calls, too: ``gather_moments`` and
+``sum_over_ranks`` run the functional collectives (``_c10d_functional``) that the fused path's
+CUDA kernels call from C++, with rows of the same size.
 """
 
 from __future__ import annotations
@@ -182,6 +182,13 @@ def gather_moments(row: Tensor, group: "dist.ProcessGroup") -> Tensor:
     return functional.wait_tensor(gathered).view(world, row.numel())
 
 
+def sum_over_ranks(row: Tensor, group: "dist.ProcessGroup") -> Tensor:
+    """``row`` summed over the group's ranks, a new tensor (on the current stream): the functional
+    all_reduce the fused path's CUDA kernel issues from C++, as gather_moments' all_gather."""
+    functional = torch.ops._c10d_functional
+    return functional.wait_tensor(functional.all_reduce(row, "sum", group.group_name))
+
+
 def merge_moments(rows: Tensor) -> BatchMoments:
     """Merge per-rank ``[count, mean, M2]`` rows (Chan et al.'s parallel variance, float64).
 
@@ -250,12 +257,12 @@ class _SyncedNormalize(torch.autograd.Function):
             grad_bias = dy.sum(0).to(ctx.bias_dtype)
         if need_u:
             # Every rank reaches this point together: same graph, same needs_input_grad. The row
-            # is fold.normalized_grad_sums' layout, which ranks on the fused path send (the
-            # same c10d allreduce: see the module docstring): sums of dy, then this rank's
-            # weight applied (nn.SyncBatchNorm's batch_norm_backward_elemt).
-            total = torch.cat([dy.sum(0).to(_F64), (dy * xhat).sum(0).to(_F64),
-                               dy.new_full((1,), float(u.shape[0]), dtype=_F64)])
-            dist.all_reduce(total, dist.ReduceOp.SUM, group=ctx.group)
+            # is fold.normalized_grad_sums' layout, which ranks on the fused path send, by the
+            # same collective call: sums of dy, then this rank's weight applied
+            # (nn.SyncBatchNorm's batch_norm_backward_elemt).
+            total = sum_over_ranks(torch.cat([dy.sum(0).to(_F64), (dy * xhat).sum(0).to(_F64),
+                                              dy.new_full((1,), float(u.shape[0]), dtype=_F64)]),
+                                   ctx.group)
             rows = total[2 * n_features].to(cd)
             mean_g1 = total[:n_features].to(cd) / rows
             mean_g2 = total[n_features:2 * n_features].to(cd) / rows

@@ -71,10 +71,9 @@ def _synced_grad_sums(sums, moments, bias, gamma, pre_scale, post_scale, *, eps=
                       group_name=_D.group_name):
     """``fold.normalized_grad_sums`` of this batch, summed over the ranks (nn.SyncBatchNorm's)."""
     group = _group(group_name)
-    global_sums = synced_ops.normalized_grad_sums(sums, moments, bias, gamma, pre_scale,
-                                                  post_scale, eps=eps)
-    dist.all_reduce(global_sums, dist.ReduceOp.SUM, group=group)
-    return global_sums
+    row = synced_ops.normalized_grad_sums(sums, moments, bias, gamma, pre_scale, post_scale,
+                                          eps=eps)
+    return distributed.sum_over_ranks(row, group)
 
 
 # --------------------------------------------------------------------------- fake kernels

@@ -4,7 +4,7 @@
 Covers: ragged tiles (M, N not multiples of 128/256), stream-K (few tiles) and data-parallel
 (more tiles than SMs) sm90 GEMMs, the portable SIMT GEMM (fp32 'ieee' with TF32 allowed in
 cuBLAS; K not a multiple of 8 for 16-bit / of 4 for fp32; N unaligned; strided x), the cuBLAS
-IEEE path, the sm80 mma.sync GEMMs (3xTF32 always; every mode with EPIFUSE_FORCE_SM80=1), empty problems, the fold for N = 1..4097, the row kernels from 1 column to the
+IEEE path, the sm80 mma.sync GEMMs (3xTF32 always; every mode with EPIFUSE_FORCE_SM80=1), empty problems, the fold and the ops of synchronized statistics for N = 1..4097, the row kernels from 1 column to the
 staged and looped wide-row softmax (N = 8192 .. 40000, many rows), fp32 / bf16 / fp16, in-place ops on strided views.
 
 Each launch is followed by a synchronize (so the sanitizer attributes errors to the right op)
@@ -43,6 +43,7 @@ except ModuleNotFoundError:
     import epifuse
 
 from epifuse import fold, ops  # noqa: E402
+from epifuse import synced_ops as synced_ops_module  # noqa: E402
 from epifuse.problems import gemm_bn_scale_softmax as p84  # noqa: E402
 from epifuse.problems import gemm_scale_bn as p39  # noqa: E402
 
@@ -180,6 +181,32 @@ def _cpu(t):
     return None if t is None else t.cpu()
 
 
+def synced_ops() -> None:
+    """The ops of synchronized statistics against their CPU kernels: a rank's row, three ranks'
+    rows (one empty) merged and folded, the backward's row."""
+    dev = "cuda"
+    for n in FOLD_N:
+        for dtype_id, dtype in DTYPES.items():
+            g = torch.Generator().manual_seed(n)
+            zz = torch.randn(37, n, generator=g, dtype=torch.float64) * 2 + 1
+            colsum, colsumsq = fold.column_stats(zz)
+            bias, gamma, beta, pre, post = ((torch.rand(size, generator=g) + 0.5).to(dtype)
+                                            for size in (n, n, n, n, 1))
+            row = synced_ops_module.pack_moments(colsum, colsumsq, 37, bias, pre)
+            rows = torch.stack([row, torch.zeros_like(row), row * torch.tensor([2.0])])
+            sums = torch.cat([torch.randn(2 * n, generator=g, dtype=torch.float64), row[:1]])
+            calls = {"pack_moments": (colsum, colsumsq, 37, bias, pre),
+                     "merge_fold": (rows, bias, gamma, beta, pre, post),
+                     "normalized_grad_sums": (sums, rows[0].roll(-1), bias, gamma, pre, post)}
+            for name, args in calls.items():
+                op = getattr(torch.ops.epifuse, name)
+                want = op(*args)
+                got = op(*(a.to(dev) if isinstance(a, torch.Tensor) else a for a in args))
+                for i, (g_out, w_out) in enumerate(zip(*(o if isinstance(o, tuple) else (o,)
+                                                         for o in (got, want)))):
+                    sync_check(f"{name}[{i}] {dtype_id} N{n}", g_out, w_out, TOL[dtype_id])
+
+
 def row_ops(shapes) -> None:
     dev = "cuda"
     for (m, n) in shapes:
@@ -255,7 +282,7 @@ def main(opts: argparse.Namespace) -> int:
     print(f"sanitize_driver: {torch.cuda.get_device_name()} torch {torch.__version__} "
           f"epifuse {getattr(epifuse, '__version__', '?')}", flush=True)
     t0 = time.time()
-    steps = (("gemm", lambda: gemm_ops(gemm_shapes)), ("fold", fold_ops),
+    steps = (("gemm", lambda: gemm_ops(gemm_shapes)), ("fold", fold_ops), ("synced", synced_ops),
              ("rows", lambda: row_ops(ROW_SHAPES)), ("models", lambda: models(MODEL_SHAPES)))
     for name, fn in steps:
         t = time.time()

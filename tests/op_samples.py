@@ -53,6 +53,14 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
     moments = with_rows(torch.cat([t(n, dt=f64), t(n, lo=0.5, hi=2.0, dt=f64)]), m)
     coef = t(3, n, dt=torch.float32)
 
+    def moment_rows(*counts):
+        """Per-rank pack_moments rows [count, mean(N), M2(N)] (an empty rank's: zeros)."""
+        def row(count):
+            mean, m2 = t(n, dt=f64) * (count > 0), t(n, lo=0.0, hi=3.0, dt=f64) * count
+            return torch.cat([torch.tensor([float(count)], dtype=f64, device=device), mean, m2])
+
+        return torch.stack([row(c) for c in counts])
+
     prec = _precision(dtype)
     return {
         "gemm_affine": [case(x, w, a, c, prec), case(x, w, a, c, prec, activation="relu"),
@@ -113,6 +121,21 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
         "backward_matmul": [case(z, t(n, k), prec), case(z.t(), x, prec),
                             # dW under autocast: written in fp32 by the GEMM (16-bit samples)
                             case(z.t(), x, prec, out_dtype=torch.float32)],
+        # Synchronized statistics: this rank's row of u's moments, every rank's rows merged and
+        # folded (unequal counts, an empty rank, a single rank), the backward's row.
+        "pack_moments": [case(colsum, colsumsq, m, bias, None),
+                         case(colsum, colsumsq, m, None, sn), case(colsum, colsumsq, 1, bias, s1),
+                         case(colsum, colsumsq, m, None, None)],
+        "merge_fold": [
+            case(moment_rows(m, 0, 2 * m), bias, gamma, beta, None, s1, eps=1e-5),
+            case(moment_rows(m), None, gamma, beta, sn, None, eps=1e-3),
+            case(moment_rows(1, m), bias, gamma, beta, s1, sn),  # the default eps
+        ],
+        "normalized_grad_sums": [
+            case(sums, moments, bias, gamma, None, s1, eps=1e-5),
+            case(sums, moments, None, gamma, sn, None, eps=1e-3),
+            case(sums, moments, bias, gamma, s1, sn),  # the default eps
+        ],
         # (x, weight, bias, gamma, beta, scale, running_mean, running_var, *, HeadConfig's fields)
         "fused_head": [
             case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=True,

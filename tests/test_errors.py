@@ -513,6 +513,28 @@ def test_row_ops_bad_arguments(op, healthy_cuda):
     ])
 
 
+# --------------------------------------------------------------------------- CPU and CUDA kernels
+
+ON_BOTH_DEVICES = pytest.mark.parametrize("device", [
+    pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.hopper)])
+
+
+def _assert_rejects(op_name, args, kwargs, index, value, exc, key, device, request):
+    """Op op_name on (args, kwargs) with one argument replaced raises exc matching key.
+
+    index: a positional argument's index (value(device) replaces it) or a keyword setting's name
+    (value replaces it). On CUDA the context must still work afterwards (healthy_cuda).
+    """
+    if device == "cuda":
+        request.getfixturevalue("healthy_cuda")
+    if isinstance(index, str):
+        kwargs[index] = value
+    else:
+        args[index] = value(device)
+    with pytest.raises(exc, match=key):
+        getattr(torch.ops.epifuse, op_name)(*args, **kwargs)
+
+
 # --------------------------------------------------------------------------- update_running_stats
 
 def _update_args(device, n=3, dtype=F32):
@@ -523,8 +545,7 @@ def _update_args(device, n=3, dtype=F32):
             torch.zeros((), device=device, dtype=torch.long)]
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"),
-                                    pytest.param("cuda", id="cuda", marks=pytest.mark.hopper)])
+@ON_BOTH_DEVICES
 @pytest.mark.parametrize("name,index,value,exc,key", [
     ("moments-float32", 0, lambda d: torch.rand(7, device=d), RuntimeError,
      r"moments to be a contiguous float64 \[7\] tensor, got Float \[7\]"),
@@ -544,14 +565,88 @@ def _update_args(device, n=3, dtype=F32):
 ])
 def test_update_running_stats_bad_arguments(name, index, value, exc, key, device, request):
     """The CPU and CUDA kernels' messages; the buffers untouched by a failed call."""
-    if device == "cuda":
-        request.getfixturevalue("healthy_cuda")
-    args, kwargs = _update_args(device), {"momentum": 0.1}
-    if isinstance(index, str):
-        kwargs[index] = value
-    else:
-        args[index] = value(device)
-    with pytest.raises(exc, match=key):
-        torch.ops.epifuse.update_running_stats(*args, **kwargs)
+    args = _update_args(device)
+    _assert_rejects("update_running_stats", args, {"momentum": 0.1}, index, value, exc, key, device,
+                    request)
     if isinstance(args[3], torch.Tensor) and args[3].dtype == torch.long:
         assert args[3].item() == 0, "num_batches_tracked counted although the call failed"
+
+
+# ------------------------------------------------------------------------ synchronized statistics
+# pack_moments, merge_fold, normalized_grad_sums (cpp/ops/synced_ops.cpp; op_checks.py mirrors
+# them): N = 3 columns, float32 parameters.
+
+def _vec3(d, dtype=F32, n=3):
+    return torch.rand(n, device=d, dtype=dtype) + 0.5
+
+
+def _synced_op_args(name, device):
+    """(positional arguments, keyword settings) of a valid call."""
+    colsum = torch.rand(3, dtype=F64, device=device)
+    row = torch.cat([torch.rand(6, dtype=F64, device=device),
+                     torch.ones(1, dtype=F64, device=device)])  # [mean, var or M2, count]
+    args = {"pack_moments": [colsum, colsum * colsum + 1, 5, _vec3(device), _vec3(device, n=1)],
+            "merge_fold": [torch.stack([row.roll(1), row.roll(1)]), _vec3(device), _vec3(device),
+                           _vec3(device), None, _vec3(device, n=1)],
+            "normalized_grad_sums": [row, row, _vec3(device), _vec3(device), _vec3(device), None]}
+    return args[name], ({} if name == "pack_moments" else {"eps": 1e-5})
+
+
+SYNCED_OP_ERRORS = [
+    ("pack_moments", "colsum-float32", 0, lambda d: _vec3(d), RuntimeError,
+     r"colsum to be a contiguous float64 \[3\] tensor, got Float \[3\]"),
+    ("pack_moments", "colsum-2d", 0, lambda d: _vec3(d, F64).reshape(3, 1), RuntimeError,
+     r"colsum to be 1-D, got \[3, 1\]"),
+    ("pack_moments", "colsumsq-length", 1, lambda d: _vec3(d, F64, n=4), RuntimeError,
+     r"colsumsq to be a contiguous float64 \[3\] tensor, got Double \[4\]"),
+    ("pack_moments", "count-0", 2, lambda d: 0, ValueError, r"count must be >= 1, got 0"),
+    ("pack_moments", "bias-float64", 3, lambda d: _vec3(d, F64), RuntimeError,
+     r"pack_moments not implemented for 'Double'"),
+    ("pack_moments", "bias-length", 3, lambda d: _vec3(d, n=4), RuntimeError,
+     r"bias of shape \[3\], got \[4\]"),
+    ("pack_moments", "pre_scale-bf16", 4, lambda d: _vec3(d, BF16), RuntimeError,
+     r"pre_scale to have dtype Float like bias, got BFloat16"),
+    ("pack_moments", "pre_scale-length", 4, lambda d: _vec3(d, n=2), RuntimeError,
+     r"pre_scale to have 1 or 3 elements"),
+    ("merge_fold", "rows-float32", 0, lambda d: torch.rand(2, 7, device=d), RuntimeError,
+     r"rows to be a contiguous float64 \[world, 7\] tensor .*got Float \[2, 7\]"),
+    ("merge_fold", "rows-1d", 0, lambda d: _vec3(d, F64, n=7), RuntimeError,
+     r"rows to be .*got Double \[7\]"),
+    ("merge_fold", "rows-width", 0, lambda d: torch.rand(2, 6, device=d, dtype=F64), RuntimeError,
+     r"rows to be .*\[world, 7\].*got Double \[2, 6\]"),
+    ("merge_fold", "no-rank", 0, lambda d: torch.rand(0, 7, device=d, dtype=F64), RuntimeError,
+     r"world >= 1.*got Double \[0, 7\]"),
+    ("merge_fold", "beta-bf16", 3, lambda d: _vec3(d, BF16), RuntimeError,
+     r"beta to have dtype Float like gamma, got BFloat16"),
+    ("merge_fold", "post_scale-length", 5, lambda d: _vec3(d, n=2), RuntimeError,
+     r"post_scale to have 1 or 3 elements"),
+    ("merge_fold", "eps<0", "eps", -1.0, ValueError, r"eps must be non-negative"),
+    ("normalized_grad_sums", "sums-float32", 0, lambda d: _vec3(d, n=7), RuntimeError,
+     r"sums to be a contiguous float64 \[7\] tensor, got Float \[7\]"),
+    ("normalized_grad_sums", "moments-length", 1, lambda d: _vec3(d, F64, n=6), RuntimeError,
+     r"moments to be a contiguous float64 \[7\] tensor, got Double \[6\]"),
+    ("normalized_grad_sums", "bias-float64", 2, lambda d: _vec3(d, F64), RuntimeError,
+     r"bias to have dtype Float like gamma, got Double"),
+    ("normalized_grad_sums", "gamma-2d", 3, lambda d: _vec3(d).reshape(3, 1), RuntimeError,
+     r"gamma to be 1-D"),
+    ("normalized_grad_sums", "eps<0", "eps", -1.0, ValueError, r"eps must be non-negative"),
+]
+
+
+@ON_BOTH_DEVICES
+@pytest.mark.parametrize("op_name,name,index,value,exc,key", SYNCED_OP_ERRORS,
+                         ids=[f"{case[0]}-{case[1]}" for case in SYNCED_OP_ERRORS])
+def test_synced_ops_bad_arguments(op_name, name, index, value, exc, key, device, request):
+    """The CPU and CUDA kernels refuse alike: exception type and message naming the argument."""
+    args, kwargs = _synced_op_args(op_name, device)
+    _assert_rejects(op_name, args, kwargs, index, value, exc, key, device, request)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("op_name,index", [("pack_moments", 1), ("merge_fold", 0),
+                                           ("normalized_grad_sums", 1)])
+def test_synced_ops_reject_a_tensor_off_the_gpu(op_name, index, healthy_cuda):
+    args, kwargs = _synced_op_args(op_name, "cuda")
+    args[index] = args[index].cpu()
+    with pytest.raises(RuntimeError, match="CUDA|device"):
+        getattr(torch.ops.epifuse, op_name)(*args, **kwargs)

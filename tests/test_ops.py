@@ -58,6 +58,8 @@ HEAD_OP_SETTINGS = {
     "bn_fold_batch": ("eps",),
     "update_running_stats": ("momentum",),
     "head_grad_coefficients": ("training", "eps"),
+    "merge_fold": ("eps",),
+    "normalized_grad_sums": ("eps",),
     "synced_batch_fold": ("eps", "group_name"),
     "synced_grad_sums": ("eps", "group_name"),
 }

@@ -10,8 +10,12 @@
 // and the float64 CPU kernels (python/epifuse/ops.py) run under the same sequence. Their autograd
 // lives here too, in C++: a Python autograd wrapper (torch.library.register_autograd) cost ~0.3 ms of
 // host time per training step on the H100 machine, more than a step of problem 84 in bf16 spends on
-// everything but its GEMMs. The fake kernels and the synchronized-statistics hooks (the cross-rank
-// reductions, torch.distributed) are registered from Python (python/epifuse/fused_head.py).
+// everything but its GEMMs. The fake kernels are registered from Python
+// (python/epifuse/fused_head.py). The synchronized-statistics hooks (the cross-rank reductions)
+// have C++ CUDA kernels (synced_hooks.cpp: pack_moments -> all_gather -> merge_fold,
+// normalized_grad_sums -> all_reduce; functional collectives called through the dispatcher, no
+// Python between the GEMM and the apply pass) and Python CPU kernels (fused_head.py) over the same
+// per-pass ops.
 //
 // fused_head is functional: it leaves the running statistics alone (the caller updates them from
 // the returned moments with update_running_stats, without folding again), so torch.compile and
@@ -27,7 +31,6 @@
 // that struct around.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -37,6 +40,7 @@
 #include <tuple>
 
 #include "head_config.h"
+#include "op_handles.h"
 #include "weight_split_cache.h"
 
 namespace epifuse {
@@ -49,17 +53,7 @@ using Tensor5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using Tensor6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 using Needs = std::array<bool, 6>;  // x, weight, bias, gamma, beta, scale
 
-template <class Signature>
-c10::TypedOperatorHandle<Signature> op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-// The per-pass ops, looked up once (the hooks lazily: Python registers them after this library loads).
-#define EPIFUSE_OP(handle, name, ...)                    \
-  const auto& handle() {                                 \
-    static const auto h = op<__VA_ARGS__>("epifuse::" name); \
-    return h;                                            \
-  }
+// The per-pass ops, looked up once (op_handles.h).
 EPIFUSE_OP(gemm_colstats, "gemm_colstats", Tensor3(const Tensor&, const Tensor&, c10::string_view))
 EPIFUSE_OP(bn_fold_eval, "bn_fold_eval",
            std::tuple<Tensor, Tensor>(const OptTensor&, const Tensor&, const Tensor&,
@@ -499,9 +493,10 @@ TORCH_LIBRARY_FRAGMENT(epifuse, m) {
                      "Tensor? colsum, Tensor? colsumsq, Tensor moments, bool[6] needs, ") +
          head_schema_kwargs() + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
             .c_str());
-  // Synchronized-statistics hooks (kernels in python/epifuse/fused_head.py, torch.distributed):
-  // the fold from batch statistics merged over the group's ranks -> (a, c, moments), and the
-  // backward's [G1(N), G2(N), M] sums all-reduced over them. group_name must name a group.
+  // Synchronized-statistics hooks (CUDA kernels: synced_hooks.cpp; CPU kernels:
+  // python/epifuse/fused_head.py): the fold from batch statistics merged over the group's ranks
+  // -> (a, c, moments), and the backward's [G1(N), G2(N), M] sums all-reduced over them.
+  // group_name must name a group.
   m.def((std::string("synced_batch_fold(Tensor colsum, Tensor colsumsq, int count, Tensor? bias, "
                      "Tensor gamma, Tensor beta, Tensor? pre_scale, Tensor? post_scale, ") +
          head_schema_kwargs({"eps", "group_name"}) + ") -> (Tensor, Tensor, Tensor)")

@@ -1,9 +1,10 @@
 // torch.ops.epifuse.*: the op schemas and their CUDA implementations.
 //
 // This is the only C++ that sees torch. Each op validates its arguments the way PyTorch's own ops
-// do (same exception types, messages naming the problem), allocates outputs and workspaces from the
-// caching allocator, and calls the torch-free launchers of epifuse/kernels.h on the current stream.
-// No op synchronizes with the host, so every op can be captured in a CUDA graph.
+// do (same exception types, messages naming the problem; the checks the op files share are in
+// op_args.h), allocates outputs and workspaces from the caching allocator, and calls the torch-free
+// launchers of epifuse/kernels.h on the current stream. No op synchronizes with the host, so every
+// op can be captured in a CUDA graph.
 //
 // CPU kernels and fake (meta) kernels are registered from Python (python/epifuse/ops.py), where the
 // reference math lives.
@@ -24,95 +25,11 @@
 
 #include "epifuse/kernels.h"
 #include "head_config.h"
+#include "op_args.h"
 #include "weight_split_cache.h"
 
 namespace epifuse {
 namespace {
-
-// ---- error messages --------------------------------------------------------------------------
-// Messages are assembled from std::string pieces, never through iostreams: c10::str's
-// std::ostringstream would be instantiated in this library, and a stream built here with one
-// libstdc++ and used with another (the host compiler's headers vs. the process's runtime) crashed
-// while formatting an integer (seen on the Hopper image: GCC 13 headers, torch's runtime).
-inline void append(std::string& out, const char* piece) { out += piece; }
-inline void append(std::string& out, const std::string& piece) { out += piece; }
-inline void append(std::string& out, int64_t v) { out += std::to_string(v); }
-inline void append(std::string& out, int v) { out += std::to_string(v); }
-inline void append(std::string& out, double v) { out += std::to_string(v); }
-inline void append(std::string& out, const c10::Device& d) { out += d.str(); }
-inline void append(std::string& out, c10::ScalarType t) { out += c10::toString(t); }
-inline void append(std::string& out, at::IntArrayRef sizes) {
-  out += "[";
-  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
-  out += "]";
-}
-
-template <class... Pieces>
-std::string cat(const Pieces&... pieces) {
-  std::string out;
-  (append(out, pieces), ...);
-  return out;
-}
-
-#define EPIFUSE_CHECK(cond, ...) TORCH_CHECK(cond, ::epifuse::cat(__VA_ARGS__))
-#define EPIFUSE_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, ::epifuse::cat(__VA_ARGS__))
-
-DType to_dtype(const at::Tensor& t, const char* op) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default:
-      EPIFUSE_CHECK(false, "epifuse::", op, " not implemented for '", t.scalar_type(),
-                  "' (expected Float, Half or BFloat16)");
-  }
-  return DType::kFloat32;  // unreachable
-}
-
-void check_cuda(const at::Tensor& t, const char* op, const char* name, const at::Tensor& ref) {
-  EPIFUSE_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
-              t.device());
-  EPIFUSE_CHECK(t.device() == ref.device(),
-              "Expected all tensors to be on the same device, but found at least two devices, ",
-              ref.device(), " and ", t.device(), "! (epifuse::", op, ", argument ", name, ")");
-}
-
-// Compute capability of a device, queried once (the kernels dispatch on it).
-std::pair<int, int> compute_capability(int device) {
-  static std::array<std::pair<int, int>, 128> cache{};  // benign race: writers agree
-  EPIFUSE_CHECK(device >= 0 && device < int(cache.size()), "epifuse: unsupported device index ", device);
-  if (cache[device].first == 0) {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    cache[device] = {major, minor};
-  }
-  return cache[device];
-}
-
-// Whether this build has kernels for a device's GPU, decided once per device (every op asks).
-bool device_supported(int device) {
-  static std::array<int8_t, 128> cache{};  // 0: not asked yet, 1: yes, -1: no; writers agree
-  int8_t& known = cache[device];           // compute_capability() checked the index
-  if (known == 0) {
-    const auto [major, minor] = compute_capability(device);
-    known = supports_device(major, minor) ? 1 : -1;
-  }
-  return known > 0;
-}
-
-// Makes t's device current for the op. Checks first that t is a CUDA tensor (a guard built from
-// a CPU device is undefined behaviour in release builds of c10) and that this build has kernels
-// for its GPU (else every launch would fail with "no kernel image is available").
-c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* name) {
-  EPIFUSE_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
-              t.device());
-  const auto [major, minor] = compute_capability(t.get_device());
-  EPIFUSE_CHECK(device_supported(t.get_device()), "epifuse::", op, ": this library has no kernels for ",
-              t.device(), " (sm_", major, minor, "); it was built for ", built_archs(),
-              ". Rebuild with -DEPIFUSE_ARCHS=", major, minor, " (CMake) to add it.");
-  return c10::cuda::CUDAGuard(t.device());
-}
 
 // A per-column fp32 vector of length n, contiguous (a copy only if the caller passed a view).
 at::Tensor column_vector(const at::Tensor& v, int64_t n, const char* op, const char* name,
@@ -230,8 +147,6 @@ PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const 
   return g;
 }
 
-cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
-
 // Sets whether cuBLAS may run fp32 GEMMs in TF32 for one scope, whatever the global setting
 // (torch.backends.cuda.matmul / set_float32_matmul_precision), and restores it after.
 class CublasTf32Scope {
@@ -336,48 +251,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_colstats_cuda(const at::Tens
 
 // ---- fold ----------------------------------------------------------------------------------
 
-// Validates the parameter vectors (one dtype, on one device, contiguous) into a FoldProblem.
-FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
-                         const at::Tensor& beta, const std::optional<at::Tensor>& pre_scale,
-                         const std::optional<at::Tensor>& post_scale, double eps, const char* op) {
-  EPIFUSE_CHECK(gamma.dim() == 1, "epifuse::", op, ": expected gamma to be 1-D, got ", gamma.sizes());
-  const int64_t N = gamma.size(0);
-  const auto dtype = gamma.scalar_type();
-  auto check_param = [&](const at::Tensor& t, const char* name, bool scale) {
-    check_cuda(t, op, name, gamma);
-    EPIFUSE_CHECK(t.scalar_type() == dtype, "epifuse::", op, ": expected ", name, " to have dtype ",
-                dtype, " like gamma, got ", t.scalar_type());
-    EPIFUSE_CHECK(t.is_contiguous(), "epifuse::", op, ": expected ", name, " to be contiguous");
-    if (scale) {
-      EPIFUSE_CHECK(t.numel() == 1 || (t.dim() == 1 && t.numel() == N), "epifuse::", op,
-                  ": expected ", name, " to have 1 or ", N, " elements (one per column), got shape ",
-                  t.sizes());
-    } else {
-      EPIFUSE_CHECK(t.dim() == 1 && t.numel() == N, "epifuse::", op, ": expected ", name,
-                  " of shape [", N, "], got ", t.sizes());
-    }
-  };
-  check_param(gamma, "gamma", false);
-  check_param(beta, "beta", false);
-  if (bias) check_param(*bias, "bias", false);
-  if (pre_scale) check_param(*pre_scale, "pre_scale", true);
-  if (post_scale) check_param(*post_scale, "post_scale", true);
-  EPIFUSE_CHECK_VALUE(eps >= 0, "epifuse::", op, ": eps must be non-negative, got ", eps);
-
-  FoldProblem f;
-  f.N = N;
-  f.param_dtype = to_dtype(gamma, op);
-  f.bias = bias ? bias->data_ptr() : nullptr;
-  f.gamma = gamma.data_ptr();
-  f.beta = beta.data_ptr();
-  f.pre_scale = pre_scale ? pre_scale->data_ptr() : nullptr;
-  f.pre_scale_numel = pre_scale ? pre_scale->numel() : 0;
-  f.post_scale = post_scale ? post_scale->data_ptr() : nullptr;
-  f.post_scale_numel = post_scale ? post_scale->numel() : 0;
-  f.eps = eps;
-  return f;
-}
-
 // also_fp64: float64 is accepted too (bn_fold_eval, folding the moments a backward kept).
 // gamma: the tensor whose dtype and length t must have (ref_name: running_mean in
 // update_running_stats).
@@ -404,15 +277,6 @@ void check_counter_and_momentum(const at::Tensor& num_batches_tracked,
     EPIFUSE_CHECK_VALUE(*momentum >= 0 && *momentum <= 1, "epifuse::", op,
                       ": momentum must be in [0, 1] or None, got ", *momentum);
   }
-}
-
-std::tuple<at::Tensor, at::Tensor> fold_outputs(const at::Tensor& gamma, FoldProblem& f) {
-  auto options = gamma.options().dtype(at::kFloat);
-  at::Tensor a = at::empty({f.N}, options);
-  at::Tensor c = at::empty({f.N}, options);
-  f.a = a.data_ptr<float>();
-  f.c = c.data_ptr<float>();
-  return {a, c};
 }
 
 std::tuple<at::Tensor, at::Tensor> bn_fold_train_cuda(
@@ -460,15 +324,6 @@ std::tuple<at::Tensor, at::Tensor> bn_fold_eval_cuda(
   bn_fold_eval(f, running_mean.data_ptr(), running_var.data_ptr(),
                running_mean.scalar_type() == at::kDouble, current_stream());
   return outputs;
-}
-
-void check_sums(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& ref,
-                const char* op) {
-  check_cuda(t, op, name, ref);
-  EPIFUSE_CHECK(t.scalar_type() == at::kDouble && t.is_contiguous() && t.dim() == 1 &&
-                    t.size(0) == numel,
-                "epifuse::", op, ": expected ", name, " to be a contiguous float64 [", numel,
-                "] tensor, got ", t.scalar_type(), " ", t.sizes());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_fold_batch_cuda(

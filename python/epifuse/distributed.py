@@ -5,8 +5,11 @@ training mode normalizes with the statistics of the union of all ranks'
 batches, as ``nn.SyncBatchNorm`` does:
 
   fused:     epifuse::fused_head (cpp/ops/fused_head.cpp) with the group's name: gemm_colstats
-             -> local (count, mean, M2) of u -> all_gather -> merge -> fold
-             -> affine[_softmax]; running-stat update (global count on device) by head.py
+             -> pack_moments (local count, mean, M2 of u) -> all_gather -> merge_fold (merge
+             and fold in one kernel) -> affine[_softmax]; running-stat update (global count on
+             device) by head.py. The synced_batch_fold hook between the GEMM and the apply pass
+             is C++ on CUDA (cpp/ops/synced_hooks.cpp: no Python there), Python on CPU
+             (fused_head.py), both over the ops of synced_ops.py.
   reference: linear (-> scale) -> the same local moments -> all_gather -> merge
              -> normalize (-> scale) (-> softmax), in plain PyTorch ops
 
@@ -23,13 +26,16 @@ paths all-reduce the same ``[N] + [N] + 1`` float64 row (``fold.normalized_grad_
 the sums of dy and dy·yhat, dy the gradient at BatchNorm's output (nn.SyncBatchNorm's
 sums of dy and dy·(u - mean), the latter times invstd), and the row count; each rank
 then scales the batch terms by its own BatchNorm weight, as nn.SyncBatchNorm does.
-The fused backward (fused_head_backward, via the synced_grad_sums hook) forms the row
-from its column sums, the reference path (``_SyncedNormalize``) from its own.
+The fused backward (fused_head_backward, via the synced_grad_sums hook: the
+normalized_grad_sums op, then the all_reduce, from C++ on CUDA) forms the row from its column
+sums, the reference path (``_SyncedNormalize``) from its own.
 
 Every rank issues the same collectives in the same order whichever path it
 takes (one all_gather in the forward, one all_reduce in the backward), so a
 rank whose batch is empty or of one row (reference path) can train beside
-ranks on the fused path.
+ranks on the fused path. They are the same calls, too: ``gather_moments`` and
+``sum_over_ranks`` run the functional collectives (``_c10d_functional``) that the fused path's
+CUDA kernels call from C++, with rows of the same size.
 """
 
 from __future__ import annotations
@@ -163,15 +169,24 @@ def pack_moments(count: int, mean: Tensor, m2: Tensor) -> Tensor:
 
 
 def gather_moments(row: Tensor, group: "dist.ProcessGroup") -> Tensor:
-    """All ranks' rows, [world_size, 2N + 1], in rank order (on the current stream)."""
+    """All ranks' rows, [world_size, 2N + 1], in rank order (on the current stream).
+
+    Through the functional all_gather that the fused path's CUDA kernel issues from C++
+    (cpp/ops/synced_hooks.cpp), so that a rank on the reference path makes the very collective
+    call of its fused peers (c10d's allgather_into_tensor_coalesced; dist.all_gather_into_tensor
+    would be _allgather_base), on every backend.
+    """
     world = dist.get_world_size(group)
-    if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
-        rows = [torch.empty_like(row) for _ in range(world)]
-        dist.all_gather(rows, row, group=group)
-        return torch.stack(rows)
-    out = row.new_empty((world, row.numel()))
-    dist.all_gather_into_tensor(out, row, group=group)
-    return out
+    functional = torch.ops._c10d_functional
+    gathered = functional.all_gather_into_tensor(row, world, group.group_name)
+    return functional.wait_tensor(gathered).view(world, row.numel())
+
+
+def sum_over_ranks(row: Tensor, group: "dist.ProcessGroup") -> Tensor:
+    """``row`` summed over the group's ranks, a new tensor (on the current stream): the functional
+    all_reduce the fused path's CUDA kernel issues from C++, as gather_moments' all_gather."""
+    functional = torch.ops._c10d_functional
+    return functional.wait_tensor(functional.all_reduce(row, "sum", group.group_name))
 
 
 def merge_moments(rows: Tensor) -> BatchMoments:
@@ -242,11 +257,12 @@ class _SyncedNormalize(torch.autograd.Function):
             grad_bias = dy.sum(0).to(ctx.bias_dtype)
         if need_u:
             # Every rank reaches this point together: same graph, same needs_input_grad. The row
-            # is fold.normalized_grad_sums' layout, which ranks on the fused path send: sums of
-            # dy, then this rank's weight applied (nn.SyncBatchNorm's batch_norm_backward_elemt).
-            total = torch.cat([dy.sum(0).to(_F64), (dy * xhat).sum(0).to(_F64),
-                               dy.new_full((1,), float(u.shape[0]), dtype=_F64)])
-            dist.all_reduce(total, dist.ReduceOp.SUM, group=ctx.group)
+            # is fold.normalized_grad_sums' layout, which ranks on the fused path send, by the
+            # same collective call: sums of dy, then this rank's weight applied
+            # (nn.SyncBatchNorm's batch_norm_backward_elemt).
+            total = sum_over_ranks(torch.cat([dy.sum(0).to(_F64), (dy * xhat).sum(0).to(_F64),
+                                              dy.new_full((1,), float(u.shape[0]), dtype=_F64)]),
+                                   ctx.group)
             rows = total[2 * n_features].to(cd)
             mean_g1 = total[:n_features].to(cd) / rows
             mean_g2 = total[n_features:2 * n_features].to(cd) / rows

@@ -14,10 +14,12 @@ the returned moments (``update_running_stats``: one kernel, no second fold). An 
 under autocast) runs bn_fold_eval -> gemm_affine (fold and activation in the GEMM's epilogue)
 [-> softmax] and returns the output with z, colsum, colsumsq and moments empty.
 
-This module registers the Python side: both ops' fake kernels, and the two
-synchronized-statistics hooks (``group_name`` non-empty), which reduce across the ranks
-with torch.distributed between the GEMM and the fold, and between the gradient sums and
-the coefficients.
+This module registers the Python side: both ops' fake kernels, and the CPU kernels of the two
+synchronized-statistics hooks (``group_name`` non-empty), which reduce across the ranks between
+the GEMM and the fold (synced_batch_fold: pack_moments -> all_gather -> merge_fold), and between
+the gradient sums and the coefficients (synced_grad_sums: normalized_grad_sums -> all_reduce).
+Their CUDA kernels are C++ (``cpp/ops/synced_hooks.cpp``): the same per-pass ops (synced_ops.py)
+around the same collectives, with no Python between the GEMM and the apply pass.
 
 Tensors are positional, the head's settings keyword-only with defaults (``HeadConfig``,
 head_config.py; ``cpp/ops/head_config.h`` on the C++ side). The kernels here take them as
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import distributed, fold
+from . import distributed, synced_ops
 from .head_config import DEFAULT as _D
 
 _F64 = torch.float64
@@ -51,27 +53,27 @@ def _group(group_name: str) -> "dist.ProcessGroup":
 
 # --------------------------------------------------------------------------- synchronized hooks
 
-@torch.library.register_kernel("epifuse::synced_batch_fold", ("cpu", "cuda"))
+# The CPU kernels; the CUDA kernels are C++ (cpp/ops/synced_hooks.cpp: the same per-pass ops around
+# functional collectives, with no Python between the GEMM and the apply pass).
+
+@torch.library.register_kernel("epifuse::synced_batch_fold", "cpu")
 def _synced_batch_fold(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, *,
                        eps=_D.eps, group_name=_D.group_name):
     """The fold from this batch's column sums merged with every rank's: (a, c, moments)."""
-    mean, var = fold.input_moments(colsum, colsumsq, count, bias, pre_scale, like=gamma)
-    merged = distributed.synced_moments(distributed.pack_moments(count, mean, var * count),
-                                        _group(group_name))
-    # fold.py in float64 torch ops: the global count is a device tensor, and reading it back for
-    # bn_fold_batch would stall the stream.
-    f = fold.fold_batch(merged.mean, merged.var, bias, gamma, beta, pre_scale, post_scale, eps)
-    return (f.a.float().contiguous(), f.c.float().contiguous(),
-            fold.moments_vector(merged.mean, merged.var, merged.count))
+    group = _group(group_name)
+    row = synced_ops.pack_moments(colsum, colsumsq, count, bias, pre_scale)
+    return synced_ops.merge_fold(distributed.gather_moments(row, group), bias, gamma, beta,
+                                 pre_scale, post_scale, eps=eps)
 
 
-@torch.library.register_kernel("epifuse::synced_grad_sums", ("cpu", "cuda"))
+@torch.library.register_kernel("epifuse::synced_grad_sums", "cpu")
 def _synced_grad_sums(sums, moments, bias, gamma, pre_scale, post_scale, *, eps=_D.eps,
                       group_name=_D.group_name):
     """``fold.normalized_grad_sums`` of this batch, summed over the ranks (nn.SyncBatchNorm's)."""
-    global_sums = fold.normalized_grad_sums(sums, moments, bias, gamma, pre_scale, post_scale, eps)
-    dist.all_reduce(global_sums, dist.ReduceOp.SUM, group=_group(group_name))
-    return global_sums
+    group = _group(group_name)
+    row = synced_ops.normalized_grad_sums(sums, moments, bias, gamma, pre_scale, post_scale,
+                                          eps=eps)
+    return distributed.sum_over_ranks(row, group)
 
 
 # --------------------------------------------------------------------------- fake kernels

@@ -106,32 +106,33 @@ def check_optional_affine(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], o
         check_column_vector(c, z.shape[1], op, "c")
 
 
+def check_fold_param(t: Optional[Tensor], name: str, scale: bool, n: int, like: Tensor,
+                     like_name: str, op: str) -> None:
+    """check_fold_param: a fold's parameter vector in like's dtype (``like_name`` names it),
+    contiguous, [n] or, for a scale, 1 or n elements. None: nothing to check."""
+    if t is None:
+        return
+    if t.dtype != like.dtype:
+        raise RuntimeError(f"epifuse::{op}: expected {name} to have dtype "
+                           f"{type_name(like.dtype)} like {like_name}, got {type_name(t.dtype)}")
+    if not t.is_contiguous():
+        raise RuntimeError(f"epifuse::{op}: expected {name} to be contiguous")
+    if scale and not (t.numel() == 1 or (t.dim() == 1 and t.numel() == n)):
+        raise RuntimeError(f"epifuse::{op}: expected {name} to have 1 or {n} elements (one "
+                           f"per column), got shape {_sizes(t)}")
+    if not scale and not (t.dim() == 1 and t.numel() == n):
+        raise RuntimeError(f"epifuse::{op}: expected {name} of shape [{n}], got {_sizes(t)}")
+
+
 def check_fold(bias: Optional[Tensor], gamma: Tensor, beta: Tensor, pre_scale: Optional[Tensor],
                post_scale: Optional[Tensor], eps: float, op: str) -> None:
     """prepare_fold: the parameter vectors share gamma's dtype, are contiguous, [N] or scales."""
     if gamma.dim() != 1:
         raise RuntimeError(f"epifuse::{op}: expected gamma to be 1-D, got {_sizes(gamma)}")
     n = gamma.shape[0]
-
-    def param(t: Optional[Tensor], name: str, scale: bool) -> None:
-        if t is None:
-            return
-        if t.dtype != gamma.dtype:
-            raise RuntimeError(f"epifuse::{op}: expected {name} to have dtype "
-                               f"{type_name(gamma.dtype)} like gamma, got {type_name(t.dtype)}")
-        if not t.is_contiguous():
-            raise RuntimeError(f"epifuse::{op}: expected {name} to be contiguous")
-        if scale and not (t.numel() == 1 or (t.dim() == 1 and t.numel() == n)):
-            raise RuntimeError(f"epifuse::{op}: expected {name} to have 1 or {n} elements (one "
-                               f"per column), got shape {_sizes(t)}")
-        if not scale and not (t.dim() == 1 and t.numel() == n):
-            raise RuntimeError(f"epifuse::{op}: expected {name} of shape [{n}], got {_sizes(t)}")
-
-    param(gamma, "gamma", False)
-    param(beta, "beta", False)
-    param(bias, "bias", False)
-    param(pre_scale, "pre_scale", True)
-    param(post_scale, "post_scale", True)
+    for t, name, scale in ((gamma, "gamma", False), (beta, "beta", False), (bias, "bias", False),
+                           (pre_scale, "pre_scale", True), (post_scale, "post_scale", True)):
+        check_fold_param(t, name, scale, n, gamma, "gamma", op)
     if not eps >= 0:
         raise ValueError(f"epifuse::{op}: eps must be non-negative, got {eps:f}")
     check_kernel_dtype(gamma, op)
@@ -177,12 +178,16 @@ def check_update_running_stats(moments: Tensor, running_mean: Tensor, running_va
         raise RuntimeError(f"epifuse::{op}: expected running_mean to be a contiguous 1-D tensor, "
                            f"got {_sizes(running_mean)}")
     check_running(running_var, "running_var", running_mean, op, ref_name="running_mean")
-    n = 2 * running_mean.shape[0] + 1
-    if not (moments.dtype == torch.float64 and moments.is_contiguous() and moments.dim() == 1
-            and moments.shape[0] == n):
-        raise RuntimeError(f"epifuse::{op}: expected moments to be a contiguous float64 [{n}] "
-                           f"tensor, got {type_name(moments.dtype)} {_sizes(moments)}")
+    check_sums(moments, "moments", 2 * running_mean.shape[0] + 1, op)
     _check_counter_and_momentum(num_batches_tracked, momentum, op)
+
+
+def check_sums(t: Tensor, name: str, numel: int, op: str) -> None:
+    """check_sums: a contiguous float64 [numel] tensor (column sums, moments, a row of sums)."""
+    if not (t.dtype == torch.float64 and t.is_contiguous() and t.dim() == 1
+            and t.shape[0] == numel):
+        raise RuntimeError(f"epifuse::{op}: expected {name} to be a contiguous float64 [{numel}] "
+                           f"tensor, got {type_name(t.dtype)} {_sizes(t)}")
 
 
 def _check_counter_and_momentum(num_batches_tracked: Tensor, momentum: Optional[float],
@@ -192,3 +197,36 @@ def _check_counter_and_momentum(num_batches_tracked: Tensor, momentum: Optional[
                            f"int64 tensor")
     if momentum is not None and not 0 <= momentum <= 1:
         raise ValueError(f"epifuse::{op}: momentum must be in [0, 1] or None, got {momentum:f}")
+
+
+# ------------------------------------------------------------------------ synchronized statistics
+# cpp/ops/synced_ops.cpp's checks, in its order.
+
+def check_pack_moments(colsum: Tensor, colsumsq: Tensor, count: int, bias: Optional[Tensor],
+                       pre_scale: Optional[Tensor]) -> None:
+    """pack_moments: float64 [N] sums, count >= 1, bias / pre_scale in one kernel dtype
+    (bias's, or else pre_scale's)."""
+    op = "pack_moments"
+    if colsum.dim() != 1:
+        raise RuntimeError(f"epifuse::{op}: expected colsum to be 1-D, got {_sizes(colsum)}")
+    n = colsum.shape[0]
+    check_sums(colsum, "colsum", n, op)
+    check_sums(colsumsq, "colsumsq", n, op)
+    if count < 1:
+        raise ValueError(f"epifuse::{op}: count must be >= 1, got {count}")
+    like, like_name = (bias, "bias") if bias is not None else (pre_scale, "pre_scale")
+    if like is None:
+        return
+    check_kernel_dtype(like, op)
+    check_fold_param(bias, "bias", False, n, like, like_name, op)
+    check_fold_param(pre_scale, "pre_scale", True, n, like, like_name, op)
+
+
+def check_moment_rows(rows: Tensor, n: int, op: str) -> None:
+    """merge_fold's rows: float64 [world >= 1, 2n + 1], a [count, mean, M2] row per rank."""
+    width = 2 * n + 1
+    if not (rows.dtype == torch.float64 and rows.dim() == 2 and rows.shape[0] >= 1
+            and rows.shape[1] == width and rows.is_contiguous()):
+        raise RuntimeError(f"epifuse::{op}: expected rows to be a contiguous float64 [world, "
+                           f"{width}] tensor (a [count, mean, M2] row per rank, world >= 1), got "
+                           f"{type_name(rows.dtype)} {_sizes(rows)}")

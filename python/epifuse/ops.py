@@ -8,7 +8,8 @@ This module registers, for every op:
 
 The head's two composite ops (``fused_head``, ``fused_head_backward``) are the exception: their
 CPU and CUDA kernels are one C++ composite over the ops above (``cpp/ops/fused_head.cpp``), their
-fake kernels are in ``fused_head.py``.
+fake kernels are in ``fused_head.py``. The ops of synchronized batch statistics (``pack_moments``,
+``merge_fold``, ``normalized_grad_sums``) have theirs in ``synced_ops.py``.
 
 The head's settings (momentum, eps, training; head_config.py) are keyword-only with defaults, in
 the schemas and in every wrapper and kernel here; a kernel's defaults must be the schema's (the
@@ -45,6 +46,9 @@ OP_NAMES = (
     "epifuse::head_grad_coefficients",
     "epifuse::head_grad_z",
     "epifuse::backward_matmul",
+    "epifuse::pack_moments",
+    "epifuse::merge_fold",
+    "epifuse::normalized_grad_sums",
     "epifuse::fused_head",
     "epifuse::fused_head_backward",
 )

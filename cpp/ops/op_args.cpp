@@ -1,0 +1,128 @@
+// The argument checks shared by the op files (op_args.h says what each does).
+#include "op_args.h"
+
+#include <array>
+
+namespace epifuse {
+
+DType to_dtype(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default:
+      EPIFUSE_CHECK(false, "epifuse::", op, " not implemented for '", t.scalar_type(),
+                  "' (expected Float, Half or BFloat16)");
+  }
+  return DType::kFloat32;  // unreachable
+}
+
+void check_cuda(const at::Tensor& t, const char* op, const char* name, const at::Tensor& ref) {
+  EPIFUSE_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
+              t.device());
+  EPIFUSE_CHECK(t.device() == ref.device(),
+              "Expected all tensors to be on the same device, but found at least two devices, ",
+              ref.device(), " and ", t.device(), "! (epifuse::", op, ", argument ", name, ")");
+}
+
+std::pair<int, int> compute_capability(int device) {
+  static std::array<std::pair<int, int>, 128> cache{};  // benign race: writers agree
+  EPIFUSE_CHECK(device >= 0 && device < int(cache.size()), "epifuse: unsupported device index ", device);
+  if (cache[device].first == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    cache[device] = {major, minor};
+  }
+  return cache[device];
+}
+
+namespace {
+
+// Whether this build has kernels for a device's GPU, decided once per device (every op asks).
+bool device_supported(int device) {
+  static std::array<int8_t, 128> cache{};  // 0: not asked yet, 1: yes, -1: no; writers agree
+  int8_t& known = cache[device];           // compute_capability() checked the index
+  if (known == 0) {
+    const auto [major, minor] = compute_capability(device);
+    known = supports_device(major, minor) ? 1 : -1;
+  }
+  return known > 0;
+}
+
+}  // namespace
+
+c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* name) {
+  EPIFUSE_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
+              t.device());
+  const auto [major, minor] = compute_capability(t.get_device());
+  EPIFUSE_CHECK(device_supported(t.get_device()), "epifuse::", op, ": this library has no kernels for ",
+              t.device(), " (sm_", major, minor, "); it was built for ", built_archs(),
+              ". Rebuild with -DEPIFUSE_ARCHS=", major, minor, " (CMake) to add it.");
+  return c10::cuda::CUDAGuard(t.device());
+}
+
+void check_fold_param(const at::Tensor& t, const char* name, bool scale, int64_t N,
+                      const at::Tensor& like, const char* like_name, const char* op) {
+  check_cuda(t, op, name, like);
+  EPIFUSE_CHECK(t.scalar_type() == like.scalar_type(), "epifuse::", op, ": expected ", name,
+                " to have dtype ", like.scalar_type(), " like ", like_name, ", got ", t.scalar_type());
+  EPIFUSE_CHECK(t.is_contiguous(), "epifuse::", op, ": expected ", name, " to be contiguous");
+  if (scale) {
+    EPIFUSE_CHECK(t.numel() == 1 || (t.dim() == 1 && t.numel() == N), "epifuse::", op,
+                  ": expected ", name, " to have 1 or ", N, " elements (one per column), got shape ",
+                  t.sizes());
+  } else {
+    EPIFUSE_CHECK(t.dim() == 1 && t.numel() == N, "epifuse::", op, ": expected ", name,
+                  " of shape [", N, "], got ", t.sizes());
+  }
+}
+
+FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
+                         const at::Tensor& beta, const std::optional<at::Tensor>& pre_scale,
+                         const std::optional<at::Tensor>& post_scale, double eps, const char* op) {
+  EPIFUSE_CHECK(gamma.dim() == 1, "epifuse::", op, ": expected gamma to be 1-D, got ", gamma.sizes());
+  const int64_t N = gamma.size(0);
+  auto check_param = [&](const at::Tensor& t, const char* name, bool scale) {
+    check_fold_param(t, name, scale, N, gamma, "gamma", op);
+  };
+  check_param(gamma, "gamma", false);
+  check_param(beta, "beta", false);
+  if (bias) check_param(*bias, "bias", false);
+  if (pre_scale) check_param(*pre_scale, "pre_scale", true);
+  if (post_scale) check_param(*post_scale, "post_scale", true);
+  EPIFUSE_CHECK_VALUE(eps >= 0, "epifuse::", op, ": eps must be non-negative, got ", eps);
+
+  FoldProblem f;
+  f.N = N;
+  f.param_dtype = to_dtype(gamma, op);
+  f.bias = bias ? bias->data_ptr() : nullptr;
+  f.gamma = gamma.data_ptr();
+  f.beta = beta.data_ptr();
+  f.pre_scale = pre_scale ? pre_scale->data_ptr() : nullptr;
+  f.pre_scale_numel = pre_scale ? pre_scale->numel() : 0;
+  f.post_scale = post_scale ? post_scale->data_ptr() : nullptr;
+  f.post_scale_numel = post_scale ? post_scale->numel() : 0;
+  f.eps = eps;
+  return f;
+}
+
+std::tuple<at::Tensor, at::Tensor> fold_outputs(const at::Tensor& gamma, FoldProblem& f) {
+  auto options = gamma.options().dtype(at::kFloat);
+  at::Tensor a = at::empty({f.N}, options);
+  at::Tensor c = at::empty({f.N}, options);
+  f.a = a.data_ptr<float>();
+  f.c = c.data_ptr<float>();
+  return {a, c};
+}
+
+void check_sums(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& ref,
+                const char* op) {
+  check_cuda(t, op, name, ref);
+  EPIFUSE_CHECK(t.scalar_type() == at::kDouble && t.is_contiguous() && t.dim() == 1 &&
+                    t.size(0) == numel,
+                "epifuse::", op, ": expected ", name, " to be a contiguous float64 [", numel,
+                "] tensor, got ", t.scalar_type(), " ", t.sizes());
+}
+
+}  // namespace epifuse

@@ -1,0 +1,80 @@
+// Argument checks and error messages shared by the op files (ops.cpp, synced_stats.cpp): they
+// validate an op's tensors the way PyTorch's own ops do (same exception types, messages naming the
+// argument) into the launchers' structs of epifuse/kernels.h.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "epifuse/kernels.h"
+
+namespace epifuse {
+
+// ---- error messages --------------------------------------------------------------------------
+// Messages are assembled from std::string pieces, never through iostreams: c10::str's
+// std::ostringstream would be instantiated in this library, and a stream built here with one
+// libstdc++ and used with another (the host compiler's headers vs. the process's runtime) crashed
+// while formatting an integer (seen on the Hopper image: GCC 13 headers, torch's runtime).
+inline void append(std::string& out, const char* piece) { out += piece; }
+inline void append(std::string& out, const std::string& piece) { out += piece; }
+inline void append(std::string& out, int64_t v) { out += std::to_string(v); }
+inline void append(std::string& out, int v) { out += std::to_string(v); }
+inline void append(std::string& out, double v) { out += std::to_string(v); }
+inline void append(std::string& out, const c10::Device& d) { out += d.str(); }
+inline void append(std::string& out, c10::ScalarType t) { out += c10::toString(t); }
+inline void append(std::string& out, at::IntArrayRef sizes) {
+  out += "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  out += "]";
+}
+
+template <class... Pieces>
+std::string cat(const Pieces&... pieces) {
+  std::string out;
+  (append(out, pieces), ...);
+  return out;
+}
+
+#define EPIFUSE_CHECK(cond, ...) TORCH_CHECK(cond, ::epifuse::cat(__VA_ARGS__))
+#define EPIFUSE_CHECK_VALUE(cond, ...) TORCH_CHECK_VALUE(cond, ::epifuse::cat(__VA_ARGS__))
+
+// The kernels' dtype of a tensor (Float, Half or BFloat16; anything else: "not implemented").
+DType to_dtype(const at::Tensor& t, const char* op);
+
+// t (argument `name` of `op`) is a CUDA tensor on ref's device.
+void check_cuda(const at::Tensor& t, const char* op, const char* name, const at::Tensor& ref);
+
+// Compute capability of a device, queried once (the kernels dispatch on it).
+std::pair<int, int> compute_capability(int device);
+
+// Makes t's device current for the op. Checks first that t is a CUDA tensor (a guard built from
+// a CPU device is undefined behaviour in release builds of c10) and that this build has kernels
+// for its GPU (else every launch would fail with "no kernel image is available").
+c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* name);
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// A parameter vector of a fold (argument `name` of `op`): on like's device and in its dtype
+// (like_name names it in the message), contiguous, [N] or, for a scale, 1 or N elements.
+void check_fold_param(const at::Tensor& t, const char* name, bool scale, int64_t N,
+                      const at::Tensor& like, const char* like_name, const char* op);
+
+// Validates the parameter vectors (one dtype, on one device, contiguous) into a FoldProblem.
+FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
+                         const at::Tensor& beta, const std::optional<at::Tensor>& pre_scale,
+                         const std::optional<at::Tensor>& post_scale, double eps, const char* op);
+
+// The fold's outputs (a, c: float32 [N] on gamma's device), bound into f.
+std::tuple<at::Tensor, at::Tensor> fold_outputs(const at::Tensor& gamma, FoldProblem& f);
+
+// t is a contiguous float64 [numel] tensor on ref's device (column sums, moments, rows of sums).
+void check_sums(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& ref,
+                const char* op);
+
+}  // namespace epifuse

@@ -27,9 +27,8 @@
 #include "cutlass/epilogue/thread/activation.h"
 #include "cutlass/functional.h"
 
-#include <type_traits>
-
 #include "activation.cuh"
+#include "rounded_to.hpp"
 
 namespace epifuse::evt {
 
@@ -114,25 +113,6 @@ struct AccumulateSquare {
 template <class T>
 struct FirstOperand {
   CUTLASS_HOST_DEVICE T operator()(T const& first, T const&) const { return first; }
-};
-
-// Each fp32 element of a fragment rounded to ElementD and back (exact in fp32): z as the GEMM
-// stores it. The identity for an fp32 ElementD.
-template <class ElementD>
-struct RoundedTo {
-  template <class Fragment>
-  struct Op {
-    CUTLASS_HOST_DEVICE Fragment operator()(Fragment const& x) const {
-      if constexpr (std::is_same_v<ElementD, float>) {
-        return x;
-      } else {
-        Fragment y;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < Fragment::kElements; ++i) y[i] = float(ElementD(x[i]));
-        return y;
-      }
-    }
-  };
 };
 
 // z as stored (the accumulator rounded to ElementD), widened to fp64 (exact): the input of the

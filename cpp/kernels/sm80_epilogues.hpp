@@ -14,7 +14,7 @@
 #include "cutlass/epilogue/threadblock/fusion/visitors.hpp"
 #include "cutlass/functional.h"
 
-#include <type_traits>
+#include "rounded_to.hpp"
 
 namespace epifuse::sm80::evt {
 
@@ -75,25 +75,6 @@ struct FirstOperand {
   CUTLASS_HOST_DEVICE Fragment operator()(Fragment const& first, Fragment const&) const {
     return first;
   }
-};
-
-// Each fp32 element of a fragment rounded to ElementD and back (exact in fp32): z as the GEMM
-// stores it. The identity for an fp32 ElementD.
-template <class ElementD>
-struct RoundedTo {
-  template <class Fragment>
-  struct Op {
-    CUTLASS_HOST_DEVICE Fragment operator()(Fragment const& x) const {
-      if constexpr (std::is_same_v<ElementD, float>) {
-        return x;
-      } else {
-        Fragment y;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < Fragment::kElements; ++i) y[i] = float(ElementD(x[i]));
-        return y;
-      }
-    }
-  };
 };
 
 // z as stored: the accumulator rounded to ElementD (fp32 values).

@@ -62,13 +62,9 @@ bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* _
     const double beta = load_param(static_cast<const P*>(f.beta), n);
     double mu, invstd;
     if (training) {
-      const double mean_z = colsum[n] / double(count);
-      // Clamp rounding below zero, but let NaN through (fmax would turn it into 0): a NaN or Inf
-      // in the batch must poison the statistics as it does in PyTorch.
-      const double raw_var = colsumsq[n] / double(count) - mean_z * mean_z;
-      const double var_z = raw_var < 0.0 ? 0.0 : raw_var;
-      mu = pre * (mean_z + bias);
-      const double var_u = pre * pre * var_z;  // biased, as BatchNorm normalizes with
+      const ColumnMoments z = column_moments(colsum[n], colsumsq[n], double(count));
+      mu = pre * (z.mean + bias);
+      const double var_u = pre * pre * z.var;  // biased, as BatchNorm normalizes with
       invstd = 1.0 / sqrt(var_u + f.eps);
       if (update) update_column(running_mean, running_var, n, mu, var_u, double(count), factor);
       if (moments != nullptr) {

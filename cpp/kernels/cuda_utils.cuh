@@ -49,6 +49,20 @@ __device__ __forceinline__ void store_param(__nv_bfloat16* p, int64_t i, double 
 }
 
 // Element n of an optional per-column parameter of `numel` 1 (broadcast) or N; fallback when absent.
+// fold.batch_moments for one column: the mean and biased variance of z from its fp64 sums over
+// `rows` rows. The square is rounded on its own (__dmul_rn: not contracted into an FMA with the
+// subtraction), as the CPU rounds it, so a one-row or constant column's variance is exactly 0 on
+// both. Rounding below zero is clamped; NaN passes (fmax would turn it into 0): a NaN or Inf in
+// the batch poisons the statistics, as in PyTorch.
+struct ColumnMoments {
+  double mean, var;
+};
+__device__ __forceinline__ ColumnMoments column_moments(double sum, double sumsq, double rows) {
+  const double mean = sum / rows;
+  const double var = sumsq / rows - __dmul_rn(mean, mean);
+  return {mean, var < 0.0 ? 0.0 : var};
+}
+
 template <class P>
 __device__ __forceinline__ double load_or(const void* p, int64_t numel, int64_t n, double fallback) {
   if (p == nullptr) return fallback;

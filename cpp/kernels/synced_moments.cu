@@ -19,13 +19,9 @@ pack_moments_kernel(FoldProblem f, const double* __restrict__ colsum,
   const double rows = double(count);
   EPIFUSE_FOR_EACH_COLUMN(n, N) {
     const ColumnScales s = column_scales<P>(f, n);
-    const double mean_z = colsum[n] / rows;
-    // fold.batch_moments: clamp rounding below zero, but let NaN through (a NaN in the batch
-    // poisons the statistics, as in PyTorch).
-    const double raw_var = colsumsq[n] / rows - mean_z * mean_z;
-    const double var_z = raw_var < 0.0 ? 0.0 : raw_var;
-    row[1 + n] = s.pre * (mean_z + s.bias);
-    row[1 + N + n] = s.pre * s.pre * var_z * rows;  // M2 = count * biased variance of u
+    const ColumnMoments z = column_moments(colsum[n], colsumsq[n], rows);
+    row[1 + n] = s.pre * (z.mean + s.bias);
+    row[1 + N + n] = s.pre * s.pre * z.var * rows;  // M2 = count * biased variance of u
   }
   if (first_thread()) row[0] = rows;
 }

@@ -387,9 +387,8 @@ struct FusedHeadBackward : torch::autograd::Function<FusedHeadBackward> {
                                const OptTensor& out, const OptTensor& colsum,
                                const OptTensor& colsumsq, const Tensor& moments, Needs needs,
                                const HeadConfig& cfg) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto r = fused_head_backward_op().call(grad, x, weight, bias, gamma, beta, scale, z, out,
-                                           colsum, colsumsq, moments, needs EPIFUSE_HEAD_ARGS);
+    auto r = call_below_autograd(fused_head_backward_op(), grad, x, weight, bias, gamma, beta,
+                                 scale, z, out, colsum, colsumsq, moments, needs EPIFUSE_HEAD_ARGS);
     return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r),
             std::get<5>(r)};
   }
@@ -416,9 +415,8 @@ Tensor5 fused_head_autograd(const Tensor& x, const Tensor& weight, const OptTens
                           beta.requires_grad() || scale.requires_grad());
     TORCH_CHECK(!records, "epifuse::fused_head: for_backward=False, but an input requires grad "
                 "under grad mode (call it with for_backward=True, or under torch.no_grad())");
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return fused_head_op().call(x, weight, bias, gamma, beta, scale, running_mean,
-                                running_var EPIFUSE_HEAD_ARGS);
+    return call_below_autograd(fused_head_op(), x, weight, bias, gamma, beta, scale, running_mean,
+                               running_var EPIFUSE_HEAD_ARGS);
   }
   const variable_list r =
       FusedHead::apply(x, weight, bias, gamma, beta, scale, running_mean, running_var, cfg);
@@ -462,9 +460,8 @@ Tensor6 fused_head_backward_autograd(const Tensor& grad, const OptTensor& x, con
   if (!at::GradMode::is_enabled()) {
     // The usual backward (no create_graph): nothing will differentiate the result, so no node
     // is recorded; skipping Function::apply's bookkeeping saves host time on every step.
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return fused_head_backward_op().call(grad, x, weight, bias, gamma, beta, scale, z, out,
-                                         colsum, colsumsq, moments, needs EPIFUSE_HEAD_ARGS);
+    return call_below_autograd(fused_head_backward_op(), grad, x, weight, bias, gamma, beta,
+                               scale, z, out, colsum, colsumsq, moments, needs EPIFUSE_HEAD_ARGS);
   }
   const variable_list r = FusedHeadBackward::apply(grad, x, weight, bias, gamma, beta, scale, z,
                                                    out, colsum, colsumsq, moments, needs, cfg);

@@ -2,7 +2,10 @@
 // synced_hooks.cpp): looked up on first use and kept, so that a call costs no schema lookup.
 #pragma once
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+
+#include <utility>
 
 namespace epifuse {
 
@@ -18,5 +21,13 @@ c10::TypedOperatorHandle<Signature> find_op(const char* name) {
     static const auto h = ::epifuse::find_op<__VA_ARGS__>("epifuse::" name); \
     return h;                                                          \
   }
+
+// An autograd kernel's "call the op again, below autograd": the kernel behind the Autograd key
+// runs (CUDA, CPU or AutocastCUDA's) and no node is recorded.
+template <class Handle, class... Args>
+decltype(auto) call_below_autograd(const Handle& op, Args&&... args) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(std::forward<Args>(args)...);
+}
 
 }  // namespace epifuse

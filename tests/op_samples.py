@@ -175,6 +175,9 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
             case(grad, x, w, None, gamma, beta, s1, z, out, None, None, moments,
                  [True, True, False, True, True, True], precision=prec, training=False,
                  softmax=True, activation="relu"),
+            # dX in float32 (an fp32 x under autocast; from a 16-bit z the GEMM writes it)
+            case(grad, x, w, bias, gamma, beta, s1, z, out, colsum, colsumsq, moments, [True] * 6,
+                 precision=prec, training=True, softmax=True, grad_x_dtype=torch.float32),
         ],
     }
 

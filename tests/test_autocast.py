@@ -231,6 +231,53 @@ def test_gradscaler_skips_the_same_steps_as_eager():
 
 
 @pytest.mark.hopper
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_fp32_input_gradient_is_written_in_fp32_with_fp16s_overflow(amp):
+    """dX of an fp32 x under autocast: the 16-bit dX GEMM writes it in fp32 itself (no 16-bit
+    result widened by a cast: some values are not 16-bit numbers), and in fp16 it is +inf exactly
+    where eager's fp16 dX overflows. Eval mode keeps dz row-local (dz = a * g): rows of g at 2e4
+    give a dz that fp16 holds and a dX of ~1.9e5 (positive weights, 128 columns), which it does
+    not; the other rows stay far below the limit."""
+    dtype = AMP[amp]
+    ref, new = make_pair(39, init_args(39, 256, 128))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in (ref, new):
+            m.gemm.weight.copy_(torch.empty(128, 256).uniform_(0.05, 0.1, generator=gen))
+            m.scale.fill_(1.0)
+            m.bn.weight.fill_(1.0)
+            m.bn.bias.zero_()
+            m.bn.running_mean.zero_()
+            m.bn.running_var.fill_(1.0)
+    ref, new = ref.to(CUDA).eval(), new.to(CUDA).eval()
+    g = torch.rand(64, 128, device=CUDA) * 0.1
+    g[:32] = 2e4
+    x = torch.rand(64, 256, device=CUDA)
+    grads = []
+    for model in (ref, new):
+        xr = x.clone().requires_grad_()
+        with _autocast(dtype):
+            y = model(xr)
+        assert y.dtype == torch.float32
+        y.backward(g)
+        grads.append(xr.grad)
+    dx_ref, dx_new = grads
+    assert y.grad_fn.name() == FUSED_NODE
+    assert dx_new.dtype == torch.float32
+    big, small = slice(0, 32), slice(32, 64)
+    if dtype == torch.float16:
+        assert torch.isinf(dx_ref[big]).all() and (dx_ref[big] > 0).all()
+        assert torch.equal(torch.isinf(dx_new), torch.isinf(dx_ref))
+        assert (dx_new[big] > 0).all()
+    else:
+        assert torch.isfinite(dx_new).all()
+    torch.testing.assert_close(dx_new[small], dx_ref[small], rtol=2e-2, atol=1e-3)
+    # Written in fp32 by the GEMM, not a 16-bit result widened: values 16 bits cannot hold.
+    finite = dx_new[small]
+    assert not torch.equal(finite, finite.to(dtype).float())
+
+
+@pytest.mark.hopper
 def test_fused_projection_mlp_trains_under_fp16_autocast_with_gradscaler():
     """As a user trains: a projection MLP (Linear -> BN -> ReLU twice, then Linear -> affine-free
     BN) fused by epifuse.fuse, fp16 autocast, GradScaler, SGD with momentum; every step runs all

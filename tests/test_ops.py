@@ -159,6 +159,48 @@ def test_backward_matmul_fp32_out_keeps_the_16_bit_overflow(device, dtype_id):
     assert ops.backward_matmul(a, b, "").dtype == dtype  # without out_dtype: a's dtype
 
 
+def _cuda_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels fn() launches."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("n,hopper", [(136, True), (130, False)], ids=["aligned", "n130"])
+@pytest.mark.parametrize("layout", ["dX", "dW"])
+def test_fp16_product_applies_the_overflow_in_the_gemm_epilogue(layout, n, hopper):
+    """backward_matmul(out_dtype=float32) of fp16 operands on an H100/H200: one Hopper GEMM whose
+    epilogue sets fp16's overflow (no cuBLAS product and no fp16_overflow_ pass), for a row-major a
+    (dX = dz . W) and a column-major view (dW = dz^T . x); rows TMA cannot read (N = 130) take
+    cuBLAS and the pass. Either way: +-inf exactly where the fp16 product overflows, every other
+    value the fp32 product. Row scales of 1 or -+100 and column scales of 1 or 10 over positive
+    factors in [0.75, 1] keep every product either below 25600 or above 144000 in magnitude."""
+    m, k = 200, 256
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([1.0, -100.0, 100.0, -1.0]).repeat(m // 4)[:, None]
+    cols = torch.tensor([1.0, 10.0]).repeat(n // 2)[None, :]
+    a64 = torch.empty(m, k, dtype=torch.float64).uniform_(0.75, 1, generator=g) * rows
+    b64 = torch.empty(k, n, dtype=torch.float64).uniform_(0.75, 1, generator=g) * cols
+    a16, b = a64.half(), b64.half().cuda()
+    a = a16.cuda() if layout == "dX" else a16.t().contiguous().cuda().t()  # dW: an M-major view
+    out = []
+    names = _cuda_kernels(lambda: out.append(ops.backward_matmul(a, b, "", out_dtype=torch.float32)))
+    ran_pass = any("fp16_overflow" in name for name in names)
+    assert ran_pass != hopper, names
+    assert any("cutlass" in name for name in names) == hopper, names
+    got = out[0].cpu()
+    exact = a16.double() @ b64.half().double()
+    overflow = exact.abs() >= 65520
+    assert got.dtype == torch.float32
+    assert 0 < overflow.sum() < overflow.numel()
+    assert torch.equal(torch.isinf(got), overflow)
+    assert torch.equal(torch.sign(got[overflow]), torch.sign(exact[overflow]))
+    assert rel_err(got[~overflow], exact[~overflow]) < 1e-6
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype_id", ["fp32", "bf16"])
 @pytest.mark.parametrize("momentum", [0.1, None], ids=["mom0.1", "momNone"])

@@ -368,6 +368,44 @@ KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int cc_major, int 
   return copies;
 }
 
+// EPIFUSE_FP16_PRODUCT=0 keeps the fp16 products on cuBLAS + fp16_overflow_ (to measure the
+// Hopper kernel against them); read once.
+static bool fp16_product_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("EPIFUSE_FP16_PRODUCT");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+Fp16ProductPlan plan_fp16_product(const Fp16Product& p, int device, int cc_major, int cc_minor) {
+  Fp16ProductPlan plan;
+  plan.device = device;
+#if EPIFUSE_HAVE_SM90
+  if (cc_major == 9 && cc_minor == 0 && fp16_product_enabled() && is_aligned16(p.a) &&
+      is_aligned16(p.b) && is_aligned16(p.out)) {
+    plan.sm_count = sm_count(device);
+    plan.hopper = sm90::fp16_product_can_implement(p, device, plan.sm_count);
+    if (plan.hopper) plan.workspace_bytes = sm90::fp16_product_workspace_bytes(p, device, plan.sm_count);
+  }
+#else
+  (void)p, (void)cc_major, (void)cc_minor;
+#endif
+  return plan;
+}
+
+void run_fp16_product(const Fp16ProductPlan& plan, const Fp16Product& p, void* workspace,
+                      cudaStream_t stream) {
+#if EPIFUSE_HAVE_SM90
+  if (plan.hopper) {
+    sm90::run_fp16_product(p, workspace, plan.device, plan.sm_count, stream);
+    return;
+  }
+#endif
+  (void)p, (void)workspace, (void)stream;
+  throw std::logic_error("epifuse: run_fp16_product without a Hopper plan");
+}
+
 size_t split_weight_floats(const GemmProblem& p) { return size_t(p.N) * size_t(split_tf32_ld(p.K)); }
 
 void split_weight(const GemmProblem& p, float* dst, cudaStream_t stream) {

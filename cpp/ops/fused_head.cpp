@@ -242,18 +242,23 @@ Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const O
                                     beta, pre, post, cfg.training, cfg.eps);
   Tensor grad_x = at::empty({0}, grad.options()), grad_w = at::empty({0}, grad.options());
   if (needs[0] || needs[1]) {
-    // dz in z's dtype: the GEMM's, so dX and dW run in it too (under autocast, as eager's). dX
-    // comes back in that dtype (the autograd casts it to x's, as eager's cast of x does). dW goes
-    // to the parameters' dtype: under autocast the GEMM writes it in fp32 itself (no 16-bit
-    // result, no cast pass); in fp16 with inf wherever the fp16 product would overflow (bf16 has
-    // fp32's range), so that GradScaler skips the same steps as eager's.
+    // dz in z's dtype: the GEMM's, so dX and dW run in it too (under autocast, as eager's). An
+    // fp32 result from 16-bit operands (dW in the fp32 parameters' dtype, dX in an fp32 x's:
+    // grad_x_dtype) is written in fp32 by the GEMM itself, no 16-bit result and no cast pass;
+    // from fp16 with inf wherever the fp16 product would overflow (bf16 has fp32's range), so
+    // that GradScaler skips the same steps as eager's. Any other dX comes back in z's dtype.
     const Tensor dz = head_grad_z().call(grad, softmax_out, rowdot, z, coef, a, c,
                                          cfg.activation, cfg.negative_slope);
-    if (needs[0]) grad_x = backward_matmul().call(dz, *weight, cfg.precision, std::nullopt);
+    const auto fp32_from_16_bit = [&](at::ScalarType want) {
+      return want == at::kFloat && dz.element_size() == 2 ? OptDType(at::kFloat) : std::nullopt;
+    };
+    if (needs[0]) {
+      grad_x = backward_matmul().call(dz, *weight, cfg.precision,
+                                      fp32_from_16_bit(cfg.grad_x_dtype.value_or(dz.scalar_type())));
+    }
     if (needs[1]) {
-      const bool fp32_out = gamma.scalar_type() == at::kFloat && dz.element_size() == 2;
       grad_w = backward_matmul().call(dz.t(), *x, cfg.precision,
-                                      fp32_out ? OptDType(at::kFloat) : std::nullopt);
+                                      fp32_from_16_bit(gamma.scalar_type()));
       if (grad_w.scalar_type() != gamma.scalar_type()) grad_w = grad_w.to(gamma.scalar_type());
     }
   }
@@ -353,7 +358,9 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     const Tensor& grad = grads[0];
     if (!grad.defined()) return result;
     const SavedTensors s = SavedTensors::from_list(ctx->get_saved_variables());
-    const HeadConfig cfg = load_head_config(ctx);
+    HeadConfig cfg = load_head_config(ctx);
+    const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
+    cfg.grad_x_dtype = x_dtype;  // an fp32 x's gradient written in fp32 by the dX GEMM
     // Edges exist for the tensor arguments only: an absent bias has none.
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     auto needs_arg = [&](int arg) {
@@ -371,8 +378,7 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     for (int i = 0; i < 6; ++i) {
       if (needs[i]) result[i] = all[i];
     }
-    // dX in x's dtype (under autocast the GEMM ran in the 16-bit dtype x was cast to).
-    const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
+    // dX in x's dtype where the backward could not write it so (x float64, the GEMM 16-bit).
     if (result[0].defined() && result[0].scalar_type() != x_dtype) result[0] = result[0].to(x_dtype);
     return result;
   }

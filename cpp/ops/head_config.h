@@ -65,6 +65,10 @@ using OptDType = std::optional<at::ScalarType>;
   /* The output's dtype; None: z's, i.e. the GEMM's. The AutocastCUDA kernel sets the dtype the    \
      unfused modules return under the same autocast (fp32 after a softmax or an fp32 scale). */   \
   X(out_dtype,       OptDType,              OptDType,              "ScalarType?", "None")         \
+  /* The dtype fused_head_backward returns dX in; None: z's (the GEMM's). float32 from a 16-bit    \
+     z: the dX GEMM writes it itself (fp16: with fp16's overflow), no 16-bit dX and no cast pass. \
+     The autograd kernel sets x's dtype, which dX must have (an fp32 x under autocast). */        \
+  X(grad_x_dtype,    OptDType,              OptDType,              "ScalarType?", "None")         \
   /* The output may be differentiated: fused_head returns z and the statistics for a backward.    \
      False (no_grad, inference): an eval head runs its layer as one GEMM with the fold and the    \
      activation in the epilogue and returns z, the column sums and the moments empty. */          \

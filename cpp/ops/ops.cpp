@@ -681,16 +681,31 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   EPIFUSE_CHECK(a.size(1) == b.size(0), "mat1 and mat2 shapes cannot be multiplied (", a.size(0),
                 "x", a.size(1), " and ", b.size(0), "x", b.size(1), ")");
   if (out_dtype && *out_dtype != a.scalar_type()) {
-    // A 16-bit product written in fp32 by cuBLAS itself (dW of a head under autocast, in the fp32
-    // parameters' dtype): no 16-bit result, no cast pass. From fp16 operands it overflows where
-    // the fp16 product would (fp16_overflow.cu), so GradScaler sees eager's infs.
+    // A 16-bit product written in fp32 by the GEMM itself (a head's dW under autocast, in the fp32
+    // parameters' dtype; dX of an fp32 x): no 16-bit result, no cast pass. From fp16 operands it
+    // overflows where the fp16 product would (fp16_overflow.cu), so GradScaler sees eager's infs:
+    // in the epilogue of our Hopper GEMM (sm90_fp16_product.cu), or cuBLAS's product and a pass.
     EPIFUSE_CHECK(*out_dtype == at::kFloat && a.element_size() == 2, "epifuse::", op,
                   ": out_dtype must be a's dtype (", a.scalar_type(),
                   ") or float32 for 16-bit a and b, got ", *out_dtype);
-    at::Tensor product = at::mm(a, b, at::kFloat);
-    if (a.scalar_type() == at::kHalf) {
-      fp16_overflow_(product.data_ptr<float>(), product.numel(), current_stream());
+    const bool fp16 = a.scalar_type() == at::kHalf;
+    const bool b_row_major = b.stride(1) == 1 || b.size(1) == 1;
+    if (fp16 && b_row_major && a.size(0) > 0 && b.size(1) > 0 && a.size(1) > 0) {
+      at::Tensor product = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
+      const Fp16Product p{a.size(0), b.size(1), a.size(1), a.data_ptr(), a.stride(0), a.stride(1),
+                          b.data_ptr(), b.stride(0), product.data_ptr<float>(), product.stride(0)};
+      const auto [major, minor] = compute_capability(a.get_device());
+      const Fp16ProductPlan plan = plan_fp16_product(p, a.get_device(), major, minor);
+      if (plan.hopper) {  // the overflow applied in the GEMM's own epilogue
+        const at::Tensor workspace =
+            at::empty({int64_t(plan.workspace_bytes)}, a.options().dtype(at::kByte));
+        run_fp16_product(plan, p, plan.workspace_bytes ? workspace.data_ptr() : nullptr,
+                         current_stream());
+        return product;
+      }
     }
+    at::Tensor product = at::mm(a, b, at::kFloat);
+    if (fp16) fp16_overflow_(product.data_ptr<float>(), product.numel(), current_stream());
     return product;
   }
   // a . b = a . (b^T)^T: the GEMM of the forward with b^T as its weight, a view (no copy).

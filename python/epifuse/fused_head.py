@@ -105,8 +105,11 @@ def _fused_head_backward_fake(grad, x, weight, bias, gamma, beta, scale, z, out,
     # config: the settings given (HeadConfig's fields, keyword-only); no shape depends on them.
     torch._check(grad.dim() == 2, lambda: "grad must be 2-D")
     m, n = grad.shape
-    # dX in z's dtype (the GEMM's), dW in the parameters' (fp32 under autocast).
-    grad_x = z.new_empty((m, weight.shape[1]) if needs[0] else (0,))
+    # dX in z's dtype (the GEMM's) or float32 from a 16-bit z when grad_x_dtype asks, dW in the
+    # parameters' (fp32 under autocast).
+    fp32_dx = config.get("grad_x_dtype") == torch.float32 and z.element_size() == 2
+    grad_x = z.new_empty((m, weight.shape[1]) if needs[0] else (0,),
+                         dtype=torch.float32 if fp32_dx else z.dtype)
     grad_w = z.new_empty((n, x.shape[1]) if needs[1] else (0,), dtype=gamma.dtype)
     grad_bias = gamma.new_empty((0,), dtype=torch.float32) if bias is None else torch.empty_like(bias)
     return (grad_x, grad_w, grad_bias, torch.empty_like(gamma), torch.empty_like(beta),

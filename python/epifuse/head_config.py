@@ -57,6 +57,10 @@ class HeadConfig(NamedTuple):
     gemm_dtype: Optional[torch.dtype] = None
     # The output's dtype; None: the GEMM's. Under autocast: what the unfused modules return.
     out_dtype: Optional[torch.dtype] = None
+    # The dtype fused_head_backward returns dX in; None: z's (the GEMM's). float32 from a 16-bit
+    # z: the dX GEMM writes it itself (fp16 with fp16's overflow), no 16-bit dX and no cast pass.
+    # The autograd sets x's dtype (an fp32 x under autocast).
+    grad_x_dtype: Optional[torch.dtype] = None
     # The output may be differentiated: fused_head returns z and the statistics for a backward.
     # False (no_grad, inference): an eval head runs its layer as one GEMM with the fold and the
     # activation in the epilogue, and fused_head returns z, colsum, colsumsq and moments empty.

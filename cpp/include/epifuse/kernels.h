@@ -149,6 +149,39 @@ KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int device_cc_majo
 // wherever the fp16 product would have overflowed (|v| >= 65520), everything else unchanged.
 void fp16_overflow_(float* p, int64_t n, cudaStream_t stream);
 
+// out [M, N] fp32 (row stride ldo) = a [M, K] . b [K, N] from fp16 operands, +-inf wherever the
+// fp16 product would have overflowed (fp16_overflow_'s values): the backward's dX / dW under fp16
+// autocast. a's element (m, k) is at a[m * a_stride_m + k * a_stride_k], one of the two strides 1;
+// b is row-major (row stride ldb).
+struct Fp16Product {
+  int64_t M = 0, N = 0, K = 0;
+  const void* a = nullptr;
+  int64_t a_stride_m = 0, a_stride_k = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  float* out = nullptr;
+  int64_t ldo = 0;
+};
+
+// How an Fp16Product runs (gemm_dispatch.cu decides): on the Hopper GEMM whose epilogue applies
+// the overflow (sm90_fp16_product.cu) where the build, the device and TMA's alignment allow it,
+// with workspace_bytes of workspace; otherwise (hopper false) the caller runs cuBLAS's fp32
+// product, then fp16_overflow_ over it.
+struct Fp16ProductPlan {
+  bool hopper = false;
+  size_t workspace_bytes = 0;
+  int device = 0, sm_count = 0;
+};
+Fp16ProductPlan plan_fp16_product(const Fp16Product& p, int device, int cc_major, int cc_minor);
+void run_fp16_product(const Fp16ProductPlan& plan, const Fp16Product& p, void* workspace,
+                      cudaStream_t stream);
+namespace sm90 {  // sm90_fp16_product.cu (built with the Hopper kernels)
+bool fp16_product_can_implement(const Fp16Product& p, int device, int sm_count);
+size_t fp16_product_workspace_bytes(const Fp16Product& p, int device, int sm_count);
+void run_fp16_product(const Fp16Product& p, void* workspace, int device, int sm_count,
+                      cudaStream_t stream);
+}  // namespace sm90
+
 // dst [rows, cols] (row stride ld_dst) = src^T, src [cols, rows] (row stride ld_src): dst[r, c] =
 // src[c, r]. E.g. a row-major copy of a column-major view (a K-major copy of an MN-major operand).
 void transpose(const void* src, int64_t ld_src, void* dst, int64_t ld_dst, int64_t rows,

@@ -240,10 +240,10 @@ def test_fp32_input_gradient_is_written_in_fp32_with_fp16s_overflow(amp):
     not; the other rows stay far below the limit."""
     dtype = AMP[amp]
     ref, new = make_pair(39, init_args(39, 256, 128))
-    gen = torch.Generator().manual_seed(0)
+    weight = torch.empty(128, 256).uniform_(0.05, 0.1, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for m in (ref, new):
-            m.gemm.weight.copy_(torch.empty(128, 256).uniform_(0.05, 0.1, generator=gen))
+            m.gemm.weight.copy_(weight)
             m.scale.fill_(1.0)
             m.bn.weight.fill_(1.0)
             m.bn.bias.zero_()

@@ -190,7 +190,7 @@ def test_fp16_product_applies_the_overflow_in_the_gemm_epilogue(layout, n, hoppe
     names = _cuda_kernels(lambda: out.append(ops.backward_matmul(a, b, "", out_dtype=torch.float32)))
     ran_pass = any("fp16_overflow" in name for name in names)
     assert ran_pass != hopper, names
-    assert any("cutlass" in name for name in names) == hopper, names
+    assert any("Fp16Overflow" in name for name in names) == hopper, names  # our epilogue's node
     got = out[0].cpu()
     exact = a16.double() @ b64.half().double()
     overflow = exact.abs() >= 65520
@@ -198,7 +198,8 @@ def test_fp16_product_applies_the_overflow_in_the_gemm_epilogue(layout, n, hoppe
     assert 0 < overflow.sum() < overflow.numel()
     assert torch.equal(torch.isinf(got), overflow)
     assert torch.equal(torch.sign(got[overflow]), torch.sign(exact[overflow]))
-    assert rel_err(got[~overflow], exact[~overflow]) < 1e-6
+    # fp32 accumulation of exact products (~1e-6 over K = 256); an fp16 result would be ~3e-4
+    assert rel_err(got[~overflow], exact[~overflow]) < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)

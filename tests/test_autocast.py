@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import epifuse
-from helpers import FUSED_NODE, float64_twin, fused_nodes, init_args, make_pair, rel_err
+from helpers import (FUSED_NODE, float64_twin, fused_nodes, init_args, make_pair, rel_err,
+                     traced_epifuse_ops)
 
 CUDA = torch.device("cuda")
 AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -275,6 +276,49 @@ def test_fp32_input_gradient_is_written_in_fp32_with_fp16s_overflow(amp):
     # Written in fp32 by the GEMM, not a 16-bit result widened: values 16 bits cannot hold.
     finite = dx_new[small]
     assert not torch.equal(finite, finite.to(dtype).float())
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_autocast_backward_frees_the_weight_cast_before_dw(amp):
+    """Under autocast the backward runs its steps itself and drops the 16-bit weight after dX's
+    GEMM, before dW's fp32 result is allocated (as eager frees its saved cast after mm's
+    backward): the backward's peak stays below dW plus the weight cast. With retain_graph the casts
+    stay for the second backward, which gives the same gradients."""
+    k = n = 4096
+    _, new = make_pair(84, init_args(84, k, n))
+    new = new.to(CUDA)
+    x = torch.rand(256, k, device=CUDA, requires_grad=True)
+    g = torch.randn(256, n, device=CUDA)
+    with _autocast(AMP[amp]):
+        y = new(x)
+    assert y.grad_fn.name() == FUSED_NODE
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with traced_epifuse_ops() as calls:
+        y.backward(g, retain_graph=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    # The steps, not the one op: the autograd node called the per-pass ops itself.
+    assert calls == ["softmax_grad_rowdot", "head_grad_sums", "head_grad_coefficients",
+                     "head_grad_z", "backward_matmul", "backward_matmul"], calls
+    dw_bytes, cast_bytes = 4 * n * k, 2 * n * k
+    grads = [t.grad.clone() for t in (x, new.gemm.weight, new.scale)]
+    for t in (x, new.gemm.weight, new.scale):
+        t.grad = None
+    # retain_graph kept the casts: a second backward runs, and frees them.
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    y.backward(g)
+    torch.cuda.synchronize()
+    for a, b in zip(grads, (x.grad, new.gemm.weight.grad, new.scale.grad), strict=True):
+        assert torch.equal(a, b)
+    peak_last = torch.cuda.max_memory_allocated() - before
+    assert peak_last < dw_bytes + cast_bytes // 2, (peak_last, dw_bytes, cast_bytes)
+    assert peak <= dw_bytes + cast_bytes + (16 << 20)  # the retained one may keep its casts
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward(g)
 
 
 @pytest.mark.hopper

@@ -26,12 +26,17 @@
 // GEMM feeding an fp32 output without a softmax: the GEMM, then the widening affine pass) and
 // returns the output alone: z, the column sums and the moments come back empty.
 //
+// Under autocast the autograd runs the backward's steps itself (the same per-pass ops, in the
+// same order) so that it can free the 16-bit casts of x and W after their last GEMM: a step's
+// peak memory then stays at or below eager's.
+//
 // Settings (precision, training, ...) are keyword-only with defaults in both schemas, parsed once
 // into a HeadConfig (head_config.h, the one table of them); the composites and the autograd pass
 // that struct around.
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <array>
@@ -205,17 +210,19 @@ Tensor5 fused_head(const Tensor& x, const Tensor& weight, const OptTensor& bias,
   return fused_head_impl(x, weight, bias, gamma, beta, scale, running_mean, running_var, cfg);
 }
 
-// dX and dW are computed only where needs asks (else empty tensors); the [N] parameter gradients
-// always (one kernel computes them all).
-Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
-                                 const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
-                                 const Tensor& scale, const Tensor& z, const OptTensor& out,
-                                 const OptTensor& colsum, const OptTensor& colsumsq,
-                                 const Tensor& moments, Needs needs, const HeadConfig& cfg) {
+// The backward up to dz = d loss / d z: the [N] parameter gradients (one kernel computes them all)
+// and dz itself where dX or dW is needed (else undefined).
+struct HeadGradZ {
+  Tensor dz, bias, gamma, beta, scale;
+};
+
+HeadGradZ head_backward_to_dz(const Tensor& grad, const OptTensor& bias, const Tensor& gamma,
+                              const Tensor& beta, const Tensor& scale, const Tensor& z,
+                              const OptTensor& out, const OptTensor& colsum,
+                              const OptTensor& colsumsq, const Tensor& moments, Needs needs,
+                              const HeadConfig& cfg) {
   const bool softmax = cfg.softmax, scale_before_bn = cfg.scale_before_bn;
   TORCH_CHECK(!softmax || out.has_value(), "epifuse::fused_head_backward: a softmax head needs out");
-  TORCH_CHECK(!needs[0] || weight.has_value(), "epifuse::fused_head_backward: dX needs weight");
-  TORCH_CHECK(!needs[1] || x.has_value(), "epifuse::fused_head_backward: dW needs x");
   const auto [pre, post] = scales(scale, scale_before_bn);
   const OptTensor rowdot = softmax ? OptTensor(softmax_grad_rowdot().call(grad, *out)) : std::nullopt;
   const OptTensor softmax_out = softmax ? out : std::nullopt;
@@ -240,29 +247,50 @@ Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const O
   auto [coef, g_bias, g_gamma, g_beta, g_pre, g_post] =
       head_grad_coefficients().call(sums, global_sums, colsum, colsumsq, moments, bias, gamma,
                                     beta, pre, post, cfg.training, cfg.eps);
-  Tensor grad_x = at::empty({0}, grad.options()), grad_w = at::empty({0}, grad.options());
+  HeadGradZ r{Tensor(), g_bias, g_gamma, g_beta, scale_before_bn ? g_pre : g_post};
+  // dz in z's dtype: the GEMM's, so dX and dW run in it too (under autocast, as eager's).
   if (needs[0] || needs[1]) {
-    // dz in z's dtype: the GEMM's, so dX and dW run in it too (under autocast, as eager's). An
-    // fp32 result from 16-bit operands (dW in the fp32 parameters' dtype, dX in an fp32 x's:
-    // grad_x_dtype) is written in fp32 by the GEMM itself, no 16-bit result and no cast pass;
-    // from fp16 with inf wherever the fp16 product would overflow (bf16 has fp32's range), so
-    // that GradScaler skips the same steps as eager's. Any other dX comes back in z's dtype.
-    const Tensor dz = head_grad_z().call(grad, softmax_out, rowdot, z, coef, a, c,
-                                         cfg.activation, cfg.negative_slope);
-    const auto fp32_from_16_bit = [&](at::ScalarType want) {
-      return want == at::kFloat && dz.element_size() == 2 ? OptDType(at::kFloat) : std::nullopt;
-    };
-    if (needs[0]) {
-      grad_x = backward_matmul().call(dz, *weight, cfg.precision,
-                                      fp32_from_16_bit(cfg.grad_x_dtype.value_or(dz.scalar_type())));
-    }
-    if (needs[1]) {
-      grad_w = backward_matmul().call(dz.t(), *x, cfg.precision,
-                                      fp32_from_16_bit(gamma.scalar_type()));
-      if (grad_w.scalar_type() != gamma.scalar_type()) grad_w = grad_w.to(gamma.scalar_type());
-    }
+    r.dz = head_grad_z().call(grad, softmax_out, rowdot, z, coef, a, c, cfg.activation,
+                              cfg.negative_slope);
   }
-  return {grad_x, grad_w, g_bias, g_gamma, g_beta, scale_before_bn ? g_pre : g_post};
+  return r;
+}
+
+// The backward's GEMMs from dz. An fp32 result from 16-bit operands (dW in the fp32 parameters'
+// dtype, dX in an fp32 x's: grad_x_dtype) is written in fp32 by the GEMM itself, no 16-bit result
+// and no cast pass; from fp16 with inf wherever the fp16 product would overflow (bf16 has fp32's
+// range), so that GradScaler skips the same steps as eager's. Any other dX comes back in z's dtype.
+OptDType fp32_from_16_bit(const Tensor& dz, at::ScalarType want) {
+  return want == at::kFloat && dz.element_size() == 2 ? OptDType(at::kFloat) : std::nullopt;
+}
+
+Tensor backward_dx(const Tensor& dz, const Tensor& weight, const HeadConfig& cfg) {
+  return backward_matmul().call(dz, weight, cfg.precision,
+                                fp32_from_16_bit(dz, cfg.grad_x_dtype.value_or(dz.scalar_type())));
+}
+
+Tensor backward_dw(const Tensor& dz, const Tensor& x, at::ScalarType param_dtype,
+                   const HeadConfig& cfg) {
+  const Tensor grad_w =
+      backward_matmul().call(dz.t(), x, cfg.precision, fp32_from_16_bit(dz, param_dtype));
+  return grad_w.scalar_type() == param_dtype ? grad_w : grad_w.to(param_dtype);
+}
+
+// dX and dW are computed only where needs asks (else empty tensors); the [N] parameter gradients
+// always.
+Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
+                                 const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
+                                 const Tensor& scale, const Tensor& z, const OptTensor& out,
+                                 const OptTensor& colsum, const OptTensor& colsumsq,
+                                 const Tensor& moments, Needs needs, const HeadConfig& cfg) {
+  TORCH_CHECK(!needs[0] || weight.has_value(), "epifuse::fused_head_backward: dX needs weight");
+  TORCH_CHECK(!needs[1] || x.has_value(), "epifuse::fused_head_backward: dW needs x");
+  const HeadGradZ r = head_backward_to_dz(grad, bias, gamma, beta, scale, z, out, colsum,
+                                          colsumsq, moments, needs, cfg);
+  Tensor grad_x = at::empty({0}, grad.options()), grad_w = at::empty({0}, grad.options());
+  if (needs[0]) grad_x = backward_dx(r.dz, *weight, cfg);
+  if (needs[1]) grad_w = backward_dw(r.dz, *x, gamma.scalar_type(), cfg);
+  return {grad_x, grad_w, r.bias, r.gamma, r.beta, r.scale};
 }
 
 Tensor6 fused_head_backward(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
@@ -315,6 +343,10 @@ OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullop
 
 }  // namespace
 
+// saved_data keys of the GEMM operands' 16-bit casts (autocast), which FusedHead's backward frees.
+constexpr const char* kXCast = "x_cast";
+constexpr const char* kWeightCast = "weight_cast";
+
 // Named outside the anonymous namespace: grad_fn.name() shows "...CppNode<epifuse::FusedHead>".
 struct FusedHead : torch::autograd::Function<FusedHead> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight,
@@ -333,10 +365,16 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     }
     ctx->mark_non_differentiable({z, colsum, colsumsq, moments});
     ctx->set_materialize_grads(false);
-    // z and out are the [M, N] tensors kept.
+    // z and out are the [M, N] tensors kept. Under autocast the GEMM's operands are 16-bit casts
+    // made above, which only this backward reads: they are kept in saved_data, from which the
+    // backward takes them so that each is freed after its last GEMM (backward says why).
     SavedTensors saved;
-    saved.x = weight.requires_grad() ? x_gemm : Tensor();
-    saved.weight = x.requires_grad() ? w_gemm : Tensor();
+    const bool keep_x = weight.requires_grad(), keep_w = x.requires_grad();
+    const bool x_cast = !x_gemm.is_same(x), w_cast = !w_gemm.is_same(weight);
+    saved.x = keep_x && !x_cast ? x_gemm : Tensor();
+    saved.weight = keep_w && !w_cast ? w_gemm : Tensor();
+    if (keep_x && x_cast) ctx->saved_data[kXCast] = x_gemm;
+    if (keep_w && w_cast) ctx->saved_data[kWeightCast] = w_gemm;
     saved.bias = bias.value_or(Tensor());
     saved.gamma = gamma;
     saved.beta = beta;
@@ -369,12 +407,41 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     };
     const Needs needs{needs_arg(0), needs_arg(1), has_bias && needs_arg(2), needs_arg(3),
                       needs_arg(4), needs_arg(5)};
-    auto grads_in = fused_head_backward_op().call(
-        grad, opt(s.x), opt(s.weight), opt(s.bias), s.gamma, s.beta, s.scale, s.z, opt(s.out),
-        opt(s.colsum), opt(s.colsumsq), s.moments, needs EPIFUSE_HEAD_ARGS);
-    const std::array<Tensor, 6> all{std::get<0>(grads_in), std::get<1>(grads_in),
-                                    std::get<2>(grads_in), std::get<3>(grads_in),
-                                    std::get<4>(grads_in), std::get<5>(grads_in)};
+    Tensor x_gemm = s.x, w_gemm = s.weight;
+    const bool casts = ctx->saved_data.count(kXCast) + ctx->saved_data.count(kWeightCast) > 0;
+    if (casts) {
+      // Taken out of saved_data unless the graph is kept for another backward, so that these
+      // locals are the casts' last references.
+      const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+      auto take = [&](const char* key, Tensor& t) {
+        if (ctx->saved_data.count(key) == 0) return;
+        t = ctx->saved_data.at(key).toTensor();
+        if (!keep_graph) ctx->saved_data.erase(key);
+      };
+      take(kXCast, x_gemm);
+      take(kWeightCast, w_gemm);
+    }
+    std::array<Tensor, 6> all;
+    if (casts && !at::GradMode::is_enabled()) {
+      // The usual backward under autocast, in steps, each 16-bit cast dropped after its last GEMM:
+      // the weight's before dW's fp32 result is allocated (problem 84: 128 MiB of bf16 weight
+      // beside 256 MiB of fp32 dW), as eager's autograd frees its saved cast once its mm's backward
+      // has run. The one op call below would keep both casts until it returned.
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      HeadGradZ r = head_backward_to_dz(grad, opt(s.bias), s.gamma, s.beta, s.scale, s.z,
+                                        opt(s.out), opt(s.colsum), opt(s.colsumsq), s.moments,
+                                        needs, cfg);
+      if (needs[0]) all[0] = backward_dx(r.dz, w_gemm, cfg);
+      w_gemm.reset();
+      if (needs[1]) all[1] = backward_dw(r.dz, x_gemm, s.gamma.scalar_type(), cfg);
+      all[2] = r.bias, all[3] = r.gamma, all[4] = r.beta, all[5] = r.scale;
+    } else {
+      auto grads_in = fused_head_backward_op().call(
+          grad, opt(x_gemm), opt(w_gemm), opt(s.bias), s.gamma, s.beta, s.scale, s.z,
+          opt(s.out), opt(s.colsum), opt(s.colsumsq), s.moments, needs EPIFUSE_HEAD_ARGS);
+      all = {std::get<0>(grads_in), std::get<1>(grads_in), std::get<2>(grads_in),
+             std::get<3>(grads_in), std::get<4>(grads_in), std::get<5>(grads_in)};
+    }
     for (int i = 0; i < 6; ++i) {
       if (needs[i]) result[i] = all[i];
     }

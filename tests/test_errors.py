@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from epifuse import head, ops
+import op_samples
 from helpers import ORACLE_TOL, assert_row_op_rejects_bad_arguments, init_args, make_pair, rel_err
 
 CUDA = torch.device("cuda")
@@ -570,6 +571,88 @@ def test_update_running_stats_bad_arguments(name, index, value, exc, key, device
                     request)
     if isinstance(args[3], torch.Tensor) and args[3].dtype == torch.long:
         assert args[3].item() == 0, "num_batches_tracked counted although the call failed"
+
+
+# ------------------------------------------------------------------------ passes and backward ops
+# The ops the autograd and the fused paths call between the GEMMs: each case replaces one argument
+# of a valid sample (tests/op_samples.py, N = 3 columns, M = 5 rows) with a bad one. The CPU
+# kernels once skipped these checks (a broadcast a, a NaN fold for eps < 0, a silently summed
+# coefficient row); the CUDA ops' messages are the reference.
+
+def _pass_op_args(op_name, dtype_id, device):
+    args, kwargs = op_samples.samples(device, op_samples.DTYPES[dtype_id])[op_name][0]
+    return list(args), dict(kwargs)
+
+
+PASS_OP_ERRORS = [
+    ("affine", "fp32", "a-length", 1, lambda d: _vec3(d, n=1), RuntimeError,
+     r"epifuse::affine: expected a of shape \[3\], got \[1\]"),
+    ("affine", "fp32", "c-float64", 2, lambda d: _vec3(d, F64), RuntimeError,
+     r"epifuse::affine: expected c to be float32, got Double"),
+    ("affine", "fp32", "z-float64", 0, lambda d: torch.rand(5, 3, device=d, dtype=F64),
+     RuntimeError, r"epifuse::affine not implemented for 'Double'"),
+    ("bn_fold_batch", "fp32", "eps<0", "eps", -1.0, ValueError, r"eps must be non-negative"),
+    ("bn_fold_batch", "fp32", "colsum-float32", 0, lambda d: _vec3(d), RuntimeError,
+     r"bn_fold_batch: expected colsum to be a contiguous float64 \[3\] tensor, got Float"),
+    ("bn_fold_batch", "fp32", "bias-length", 3, lambda d: _vec3(d, n=1), RuntimeError,
+     r"bn_fold_batch: expected bias of shape \[3\], got \[1\]"),
+    ("bn_fold_batch", "fp32", "gamma-float64", 4, lambda d: _vec3(d, F64), RuntimeError,
+     r"bn_fold_batch: expected beta to have dtype Double like gamma, got Float"),
+    ("head_grad_coefficients", "fp32", "sums-length", 0,
+     lambda d: torch.rand(9, device=d, dtype=F64), RuntimeError,
+     r"expected sums to be a contiguous float64 \[7\] tensor, got Double \[9\]"),
+    ("head_grad_coefficients", "fp32", "moments-float32", 4, lambda d: _vec3(d, n=7),
+     RuntimeError, r"expected moments to be a contiguous float64 \[7\] tensor, got Float"),
+    ("head_grad_coefficients", "fp32", "no-colsum", 2, lambda d: None, RuntimeError,
+     r"training-mode coefficients need colsum and colsumsq"),
+    ("head_grad_coefficients", "fp32", "eps<0", "eps", -1.0, ValueError,
+     r"head_grad_coefficients: eps must be non-negative"),
+    ("head_grad_z", "fp32", "coef-column", 4, lambda d: torch.rand(3, 1, device=d), RuntimeError,
+     r"expected coef to be a float32 \[3, 3\] tensor, got Float \[3, 1\]"),
+    ("head_grad_z", "fp32", "coef-two-rows", 4, lambda d: torch.rand(2, 3, device=d),
+     RuntimeError, r"expected coef to be a float32 \[3, 3\] tensor, got Float \[2, 3\]"),
+    ("head_grad_z", "fp32", "coef-float64", 4, lambda d: torch.rand(3, 3, device=d, dtype=F64),
+     RuntimeError, r"expected coef to be a float32 \[3, 3\] tensor, got Double"),
+    ("head_grad_sums", "fp32", "rowdot-length", 2, lambda d: _vec3(d, n=1), RuntimeError,
+     r"head_grad_sums: expected rowdot of shape \[5\], got \[1\]"),
+    ("head_grad_sums", "fp32", "grad-bf16", 0, lambda d: torch.rand(5, 3, device=d, dtype=BF16),
+     RuntimeError, r"head_grad_sums: expected grad to have dtype Float like z, got BFloat16"),
+    ("head_grad_sums", "fp32", "grad-shape", 0, lambda d: torch.rand(5, 4, device=d),
+     RuntimeError, r"head_grad_sums: expected grad of shape \[5, 3\] like z, got \[5, 4\]"),
+    ("head_grad_sums", "fp32", "out-without-rowdot", 2, lambda d: None, RuntimeError,
+     r"pass both out and rowdot"),
+    # The CUDA kernel read a bf16 out as float32 here: past the end of out.
+    ("softmax_grad_rowdot", "bf16", "grad-float32", 0, lambda d: torch.rand(5, 3, device=d),
+     RuntimeError, r"softmax_grad_rowdot: expected grad to have dtype BFloat16 like out, got Float"),
+    ("softmax_grad_rowdot", "fp32", "out-1d", 1, lambda d: _vec3(d, n=15), RuntimeError,
+     r"softmax_grad_rowdot: expected out to be 2-D \[M, N\], got 1-D"),
+    # The out_dtype branch (dW under autocast) checks what the other branch's GEMM checks.
+    ("backward_matmul", "bf16", "precision-bogus", 2, lambda d: "bogus", ValueError,
+     r"backward_matmul: precision must be .*got 'bogus'"),
+]
+
+
+@ON_BOTH_DEVICES
+@pytest.mark.parametrize("op_name,dtype_id,name,index,value,exc,key", PASS_OP_ERRORS,
+                         ids=[f"{case[0]}-{case[2]}" for case in PASS_OP_ERRORS])
+def test_pass_and_backward_ops_bad_arguments(op_name, dtype_id, name, index, value, exc, key,
+                                             device, request):
+    """The CPU and CUDA kernels refuse alike: exception type and message naming the argument."""
+    args, kwargs = _pass_op_args(op_name, dtype_id, device)
+    if op_name == "backward_matmul":
+        kwargs["out_dtype"] = torch.float32
+    _assert_rejects(op_name, args, kwargs, index, value, exc, key, device, request)
+
+
+@ON_BOTH_DEVICES
+def test_backward_matmul_fp32_out_rejects_a_non_kernel_dtype(device, request):
+    """int16 operands have 16-bit elements too: refused by dtype, not passed to a GEMM."""
+    if device == "cuda":
+        request.getfixturevalue("healthy_cuda")
+    a = torch.ones(4, 8, device=device, dtype=torch.int16)
+    b = torch.ones(8, 4, device=device, dtype=torch.int16)
+    with pytest.raises(RuntimeError, match=r"epifuse::backward_matmul not implemented for 'Short'"):
+        torch.ops.epifuse.backward_matmul(a, b, "", out_dtype=torch.float32)
 
 
 # ------------------------------------------------------------------------ synchronized statistics

@@ -552,6 +552,11 @@ at::Tensor softmax_grad_rowdot_cuda(const at::Tensor& grad, const at::Tensor& ou
   EPIFUSE_CHECK(out.dim() == 2, "epifuse::", op, ": expected out to be 2-D [M, N], got ", out.dim(),
                 "-D");
   const auto guard = guard_for(out, op, "out");
+  // The kernel reads out as grad's type: prepare_grad's fp32-grad-over-16-bit-z rule does not
+  // hold here, where out stands as z (an fp32 grad over a bf16 out would be read past its end).
+  EPIFUSE_CHECK(grad.scalar_type() == out.scalar_type(), "epifuse::", op,
+                ": expected grad to have dtype ", out.scalar_type(), " like out, got ",
+                grad.scalar_type());
   at::Tensor rowdot = at::empty({out.size(0)}, out.options().dtype(at::kFloat));
   // prepare_grad takes (out, rowdot) together; rowdot is this op's output, so out stands as z.
   PreparedGrad p = prepare_grad(grad, std::nullopt, std::nullopt, out, op);
@@ -680,6 +685,9 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
                 b.scalar_type());
   EPIFUSE_CHECK(a.size(1) == b.size(0), "mat1 and mat2 shapes cannot be multiplied (", a.size(0),
                 "x", a.size(1), " and ", b.size(0), "x", b.size(1), ")");
+  // Both branches below take only what prepare_gemm takes: a kernel dtype and a known precision
+  // (the out_dtype branch never reaches prepare_gemm's own check).
+  math_mode(std::string(precision), to_dtype(a, op), op);
   if (out_dtype && *out_dtype != a.scalar_type()) {
     // A 16-bit product written in fp32 by the GEMM itself (a head's dW under autocast, in the fp32
     // parameters' dtype; dX of an fp32 x): no 16-bit result, no cast pass. From fp16 operands it

@@ -106,6 +106,68 @@ def check_optional_affine(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], o
         check_column_vector(c, z.shape[1], op, "c")
 
 
+def check_grad_operands(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor], z: Tensor,
+                        op: str) -> None:
+    """prepare_grad: the [M, N] operands of a backward pass. grad and out share one dtype, z's
+    or float32 over a 16-bit z (a head's fp32 output under autocast); rowdot is a float32 [M]."""
+    if z.dim() != 2:
+        raise RuntimeError(f"epifuse::{op}: expected z to be 2-D [M, N], got {z.dim()}-D")
+    check_kernel_dtype(z, op)
+    g_dtype = (torch.float32 if grad.dtype == torch.float32 and z.element_size() == 2
+               else z.dtype)
+
+    def check_like_z(t: Tensor, name: str) -> None:
+        if t.dtype != g_dtype:
+            like = "like z" if g_dtype == z.dtype else "like grad"
+            raise RuntimeError(f"epifuse::{op}: expected {name} to have dtype "
+                               f"{type_name(g_dtype)} {like}, got {type_name(t.dtype)}")
+        if t.shape != z.shape:
+            raise RuntimeError(f"epifuse::{op}: expected {name} of shape {_sizes(z)} like z, "
+                               f"got {_sizes(t)}")
+
+    check_like_z(grad, "grad")
+    if (out is None) != (rowdot is None):
+        raise RuntimeError(f"epifuse::{op}: pass both out and rowdot (softmax heads), or neither")
+    if out is not None:
+        check_like_z(out, "out")
+        check_column_vector(rowdot, z.shape[0], op, "rowdot")
+
+
+def check_rowdot_operands(grad: Tensor, out: Tensor) -> None:
+    """softmax_grad_rowdot: grad and out of one dtype and shape (out stands as z)."""
+    op = "softmax_grad_rowdot"
+    if out.dim() != 2:
+        raise RuntimeError(f"epifuse::{op}: expected out to be 2-D [M, N], got {out.dim()}-D")
+    if grad.dtype != out.dtype:
+        raise RuntimeError(f"epifuse::{op}: expected grad to have dtype {type_name(out.dtype)} "
+                           f"like out, got {type_name(grad.dtype)}")
+    check_grad_operands(grad, None, None, out, op)
+
+
+def check_coef(coef: Tensor, n: int, op: str = "head_grad_z") -> None:
+    """head_grad_z's per-column coefficients: a float32 [3, N] (A, B, C)."""
+    if not (coef.dtype == torch.float32 and coef.dim() == 2 and coef.shape[0] == 3
+            and coef.shape[1] == n):
+        raise RuntimeError(f"epifuse::{op}: expected coef to be a float32 [3, {n}] tensor, got "
+                           f"{type_name(coef.dtype)} {_sizes(coef)}")
+
+
+def check_grad_coefficients(sums: Tensor, global_sums: Optional[Tensor], colsum: Optional[Tensor],
+                            colsumsq: Optional[Tensor], moments: Tensor, gamma: Tensor,
+                            training: bool, op: str = "head_grad_coefficients") -> None:
+    """head_grad_coefficients's checks after check_fold, in the CUDA op's order."""
+    n = gamma.shape[0]
+    check_sums(sums, "sums", 2 * n + 1, op)
+    check_sums(moments, "moments", 2 * n + 1, op)
+    if global_sums is not None:
+        check_sums(global_sums, "global_sums", 2 * n + 1, op)
+    if training and (colsum is None or colsumsq is None):
+        raise RuntimeError(f"epifuse::{op}: training-mode coefficients need colsum and colsumsq")
+    if training:
+        check_sums(colsum, "colsum", n, op)
+        check_sums(colsumsq, "colsumsq", n, op)
+
+
 def check_fold_param(t: Optional[Tensor], name: str, scale: bool, n: int, like: Tensor,
                      like_name: str, op: str) -> None:
     """check_fold_param: a fold's parameter vector in like's dtype (``like_name`` names it),

@@ -342,9 +342,10 @@ def _affine_inplace_cpu(z, a, c, *, activation=_D.activation, negative_slope=_D.
 @torch.library.register_kernel("epifuse::affine", "cpu")
 def _affine_cpu(z, a, c, *, activation=_D.activation, negative_slope=_D.negative_slope,
                 out_dtype=None):
-    if z.dim() != 2:
-        raise RuntimeError(f"epifuse: expected a 2-D tensor, got {z.dim()}-D")
+    _checks.check_matrix(z, "affine")
     fold.check_activation(activation, "affine")
+    _checks.check_column_vector(a, z.shape[1], "affine", "a")
+    _checks.check_column_vector(c, z.shape[1], "affine", "c")
     dtype = _out_dtype(z, out_dtype, "affine")
     y = fold.activate(_affine64(z, a, c), activation, negative_slope)
     return y.to(dtype).contiguous()  # the CUDA kernel's layout
@@ -353,8 +354,12 @@ def _affine_cpu(z, a, c, *, activation=_D.activation, negative_slope=_D.negative
 @torch.library.register_kernel("epifuse::bn_fold_batch", "cpu")
 def _bn_fold_batch_cpu(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, *,
                        eps=_D.eps):
+    op = "bn_fold_batch"
+    _checks.check_fold(bias, gamma, beta, pre_scale, post_scale, eps, op)
     if count < 2:
         raise ValueError(f"Expected more than 1 value per channel when training, got {count} rows")
+    _checks.check_sums(colsum, "colsum", gamma.shape[0], op)
+    _checks.check_sums(colsumsq, "colsumsq", gamma.shape[0], op)
     f = fold.fold_train(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps)
     return f.a.float(), f.c.float(), fold.moments_vector(f.mean, f.var, count)
 
@@ -369,23 +374,16 @@ def _update_running_stats_cpu(moments, running_mean, running_var, num_batches_tr
                               moments[n:2 * n], moments[2 * n], momentum)
 
 
-def _check_grad_operands(grad: Tensor, z: Tensor, out: Optional[Tensor]) -> None:
-    if grad.dim() != 2 or grad.shape != z.shape or (out is not None and out.shape != z.shape):
-        raise RuntimeError(f"epifuse: expected grad, z (and out) of one [M, N] shape, got "
-                           f"{tuple(grad.shape)}, {tuple(z.shape)}"
-                           + ("" if out is None else f", {tuple(out.shape)}"))
-
-
 @torch.library.register_kernel("epifuse::softmax_grad_rowdot", "cpu")
 def _softmax_grad_rowdot_cpu(grad, out):
-    _check_grad_operands(grad, out, out)
+    _checks.check_rowdot_operands(grad, out)
     return (grad.to(_F64) * out.to(_F64)).sum(1).float()
 
 
-def _dv_inputs(grad, out, rowdot):
-    """grad, out as fold.dv_of takes them; the row term is recomputed in float64."""
-    if (out is None) != (rowdot is None):
-        raise RuntimeError("epifuse: pass both out and rowdot (softmax heads), or neither")
+def _dv_inputs(grad, out, rowdot, z, op):
+    """grad, out as fold.dv_of takes them, checked as the CUDA op checks them (rowdot included,
+    though the row term is recomputed in float64)."""
+    _checks.check_grad_operands(grad, out, rowdot, z, op)
     return grad, out
 
 
@@ -405,9 +403,9 @@ def _activation_h(z, a, c, activation, op):
 @torch.library.register_kernel("epifuse::head_grad_sums", "cpu")
 def _head_grad_sums_cpu(grad, out, rowdot, z, a=None, c=None, *, activation=_D.activation,
                         negative_slope=_D.negative_slope):
-    _check_grad_operands(grad, z, out)
+    dv_inputs = _dv_inputs(grad, out, rowdot, z, "head_grad_sums")
     h = _activation_h(z, a, c, activation, "head_grad_sums")
-    return fold.grad_sums(*_dv_inputs(grad, out, rowdot), z, h, activation, negative_slope)
+    return fold.grad_sums(*dv_inputs, z, h, activation, negative_slope)
 
 
 def _param_grad(values: Tensor, like: Optional[Tensor]) -> Tensor:
@@ -422,8 +420,9 @@ def _param_grad(values: Tensor, like: Optional[Tensor]) -> Tensor:
 @torch.library.register_kernel("epifuse::head_grad_coefficients", "cpu")
 def _head_grad_coefficients_cpu(sums, global_sums, colsum, colsumsq, moments, bias, gamma, beta,
                                 pre_scale, post_scale, *, training=_D.training, eps=_D.eps):
-    if training and (colsum is None or colsumsq is None):
-        raise RuntimeError("epifuse: training-mode coefficients need colsum and colsumsq")
+    op = "head_grad_coefficients"
+    _checks.check_fold(bias, gamma, beta, pre_scale, post_scale, eps, op)
+    _checks.check_grad_coefficients(sums, global_sums, colsum, colsumsq, moments, gamma, training)
     g = fold.grad_coefficients(sums, global_sums, colsum, colsumsq, moments, bias, gamma, beta,
                                pre_scale, post_scale, training, eps)
     coef = torch.stack([g.A, g.B, g.C]).float()
@@ -435,10 +434,10 @@ def _head_grad_coefficients_cpu(sums, global_sums, colsum, colsumsq, moments, bi
 @torch.library.register_kernel("epifuse::head_grad_z", "cpu")
 def _head_grad_z_cpu(grad, out, rowdot, z, coef, a=None, c=None, *, activation=_D.activation,
                      negative_slope=_D.negative_slope):
-    _check_grad_operands(grad, z, out)
+    dv_inputs = _dv_inputs(grad, out, rowdot, z, "head_grad_z")
     h = _activation_h(z, a, c, activation, "head_grad_z")
-    dz = fold.grad_z(*_dv_inputs(grad, out, rowdot), z, *coef.unbind(0), h, activation,
-                     negative_slope)
+    _checks.check_coef(coef, z.shape[1])
+    dz = fold.grad_z(*dv_inputs, z, *coef.unbind(0), h, activation, negative_slope)
     return dz.to(z.dtype).contiguous()
 
 

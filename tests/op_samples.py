@@ -52,6 +52,7 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
     global_sums = with_rows(t(2 * n, dt=f64), 3 * m)
     moments = with_rows(torch.cat([t(n, dt=f64), t(n, lo=0.5, hi=2.0, dt=f64)]), m)
     coef = t(3, n, dt=torch.float32)
+    z16 = z if z.element_size() == 2 else z.bfloat16()  # a 16-bit GEMM's z (autocast)
 
     def moment_rows(*counts):
         """Per-rank pack_moments rows [count, mean(N), M2(N)] (an empty rank's: zeros)."""
@@ -148,6 +149,9 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
                  activation="gelu"),
             case(x, w, None, gamma, beta, s1, *stats()[:2], precision=prec, training=False,
                  softmax=True, activation="leaky_relu", negative_slope=0.2),
+            # ... a direct call asking for a bf16 GEMM (what the autocast kernel passes on)
+            case(x, w, bias, gamma, beta, sn, *stats()[:2], precision=prec, training=False,
+                 for_backward=False, gemm_dtype=torch.bfloat16),
             # An eval forward for no backward: one GEMM with the fold and activation in its
             # epilogue, the output alone (no_grad under autocast).
             case(x, w, bias, gamma, beta, sn, *stats()[:2], precision=prec, training=False,
@@ -175,6 +179,10 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
             case(grad, x, w, None, gamma, beta, s1, z, out, None, None, moments,
                  [True, True, False, True, True, True], precision=prec, training=False,
                  softmax=True, activation="relu"),
+            # A softmax head under autocast: an fp32 grad and output over a 16-bit z, no dX or dW
+            case(grad.float(), x, w, bias, gamma, beta, s1, z16, out.float(), colsum, colsumsq,
+                 moments, [False, False, True, True, True, True], precision=prec, training=True,
+                 softmax=True),
             # dX in float32 (an fp32 x under autocast; from a 16-bit z the GEMM writes it)
             case(grad, x, w, bias, gamma, beta, s1, z, out, colsum, colsumsq, moments, [True] * 6,
                  precision=prec, training=True, softmax=True, grad_x_dtype=torch.float32),

@@ -92,8 +92,8 @@ def _fused_head_fake(x, weight, bias, gamma, beta, scale, running_mean, running_
     z = x.new_empty((x.shape[0], n), dtype=config.get("gemm_dtype") or x.dtype)
     out = torch.empty_like(z, dtype=config.get("out_dtype") or z.dtype)
     if not config.get("training", _D.training) and not config.get("for_backward", _D.for_backward):
-        # An eval forward for no backward: the output alone, the rest empty.
-        return (out, x.new_empty((0,)), x.new_empty((0,), dtype=_F64),
+        # An eval forward for no backward: the output alone, the rest empty (z's in its dtype).
+        return (out, x.new_empty((0,), dtype=z.dtype), x.new_empty((0,), dtype=_F64),
                 x.new_empty((0,), dtype=_F64), x.new_empty((0,), dtype=_F64))
     return (out, z, x.new_empty((n,), dtype=_F64), x.new_empty((n,), dtype=_F64),
             x.new_empty((2 * n + 1,), dtype=_F64))
@@ -106,11 +106,11 @@ def _fused_head_backward_fake(grad, x, weight, bias, gamma, beta, scale, z, out,
     torch._check(grad.dim() == 2, lambda: "grad must be 2-D")
     m, n = grad.shape
     # dX in z's dtype (the GEMM's) or float32 from a 16-bit z when grad_x_dtype asks, dW in the
-    # parameters' (fp32 under autocast).
+    # parameters' (fp32 under autocast); one not needed is an empty tensor in grad's dtype.
     fp32_dx = config.get("grad_x_dtype") == torch.float32 and z.element_size() == 2
-    grad_x = z.new_empty((m, weight.shape[1]) if needs[0] else (0,),
-                         dtype=torch.float32 if fp32_dx else z.dtype)
-    grad_w = z.new_empty((n, x.shape[1]) if needs[1] else (0,), dtype=gamma.dtype)
+    grad_x = (z.new_empty((m, weight.shape[1]), dtype=torch.float32 if fp32_dx else z.dtype)
+              if needs[0] else grad.new_empty((0,)))
+    grad_w = z.new_empty((n, x.shape[1]), dtype=gamma.dtype) if needs[1] else grad.new_empty((0,))
     grad_bias = gamma.new_empty((0,), dtype=torch.float32) if bias is None else torch.empty_like(bias)
     return (grad_x, grad_w, grad_bias, torch.empty_like(gamma), torch.empty_like(beta),
             torch.empty_like(scale))

@@ -133,3 +133,44 @@ def test_weight_cast_made_on_one_stream_is_waited_for_on_another(dtype):
     _, y3 = _race(s2, s1, forward)
     assert rel_err(y3, expected()) <= tol
     assert launches(s1) == first - 1
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["3xtf32", "bf16"])
+def test_inference_tensor_weights_are_never_kept(autocast):
+    """A model made under torch.inference_mode has inference-tensor weights, without a version
+    counter to key a kept operand on (reading it raised "Inference tensors do not track version
+    counter"): its eval forward runs fused, making the weight's split or cast at every call."""
+    if autocast is None and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the split 3xTF32 GEMM (and its kept weight split) is Hopper's")
+    from epifuse import fast_path_reason
+    from epifuse.problems import gemm_scale_bn
+
+    torch.manual_seed(0)
+    amp = torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None)
+    with torch.inference_mode():
+        # 1024 x 2048 -> 1024: 2^31 multiply-adds, over the split's threshold (gemm_dispatch.cu).
+        model = gemm_scale_bn.ModelNew(2048, 1024, (1024,)).to(CUDA).eval()
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+        x = torch.rand(1024, 2048, device=CUDA)
+        assert model.gemm.weight.is_inference()
+        assert fast_path_reason(model, x) is None
+
+        def forward():
+            with amp:
+                return model(x)
+
+        # A kept operand would be made at the second call and read from the third on, each of
+        # those calls launching one kernel fewer (test_weight_split_made_on_...: split_tf32).
+        launches = [len(_kernels(forward)) for _ in range(4)]
+        y = forward()
+        if autocast is None:  # the head in float64
+            m = model
+            z = (x.double() @ m.gemm.weight.double().T + m.gemm.bias.double()) * m.scale.double()
+            expected = ((z - m.bn.running_mean.double()) / (m.bn.running_var.double() + m.bn.eps)
+                        .sqrt() * m.bn.weight.double() + m.bn.bias.double())
+        else:  # the unfused modules under the same autocast
+            with amp:
+                expected = gemm_scale_bn.Model.forward(model, x)
+    assert len(set(launches)) == 1, launches
+    assert rel_err(y, expected) <= (1e-5 if autocast is None else 1e-2)

@@ -63,7 +63,9 @@ bool capturing(cudaStream_t stream) {
 // undefined when not kept (first sight, or w written since the last call).
 at::Tensor kept(const at::Tensor& w, int kind, cudaStream_t stream,
                 const std::function<at::Tensor()>& make) {
-  if (capturing(stream)) return {};
+  // An inference tensor (made under torch.inference_mode) has no version counter to tell whether
+  // it was written since: never kept, made at each call.
+  if (capturing(stream) || w.is_inference()) return {};
   static std::mutex mutex;
   static std::vector<Entry> entries;
   const std::lock_guard<std::mutex> lock(mutex);

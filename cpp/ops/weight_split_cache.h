@@ -17,6 +17,11 @@
 // so neither a read before it is written nor a reuse of its memory while that stream reads it.
 // Under CUDA graph capture nothing is cached or returned: a captured GEMM makes its operand inside
 // the graph, so its replays see the weight as it is then.
+// An inference tensor (torch.inference_mode) has no version counter: its operands are never kept.
+// A write the version counter does not see (through `weight.data`, or from outside PyTorch) leaves
+// a kept operand stale, as it would leave any version-keyed cache: write a weight in place through
+// the parameter itself (under torch.no_grad(), as optimizers and load_state_dict do), which bumps
+// its version.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -8,6 +8,10 @@
 #include "cutlass/gemm/device/gemm.h"
 #include "cutlass/half.h"
 
+#include <climits>
+#include <stdexcept>
+#include <string>
+
 #include "cuda_utils.cuh"
 #include "fallback.hpp"
 
@@ -41,6 +45,11 @@ using SimtGemm = cutlass::gemm::device::Gemm<
 
 template <class T>
 void run_simt(const GemmProblem& p, cudaStream_t stream) {
+  // CUTLASS 2.x's GemmCoord holds int extents: a larger one would be truncated, not refused.
+  if (p.M > INT_MAX || p.N > INT_MAX || p.K > INT_MAX)
+    throw std::runtime_error("epifuse: GEMM extents beyond 2^31 - 1 are not supported (M=" +
+                             std::to_string(p.M) + ", N=" + std::to_string(p.N) + ", K=" +
+                             std::to_string(p.K) + ")");
   using Gemm = SimtGemm<T>;
   typename Gemm::Arguments args(
       {int(p.M), int(p.N), int(p.K)},

@@ -203,6 +203,8 @@ def test_fused_linear_batchnorm_module(position, softmax, fused_on_cpu, op_calls
     assert "precision=tf32" in repr(module)
 
 
+# torch 2.14 deprecates torch.jit.script itself (a FutureWarning); what is tested is our error.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 def test_fused_linear_batchnorm_rejects_bad_parts():
     lin, bn = nn.Linear(IN, OUT), nn.BatchNorm1d(OUT)
     with pytest.raises(TypeError, match="nn.Linear"):

@@ -21,7 +21,7 @@ import torch
 import epifuse
 from epifuse import head, ops
 from helpers import (DTYPE_OF, FUSED_NODE, ORACLE_TOL, PROBLEMS, assert_head_grads_close,
-                     float64_twin, init_args, make_pair, precision_of, rel_err)
+                     float64_twin, init_args, make_pair, precision_of, rel_err, traced_epifuse_ops)
 
 CUDA = torch.device("cuda")
 IN, OUT = 24, 16
@@ -439,3 +439,53 @@ def test_main_on_gpu():
                           "--iters", "3"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "path=fused" in out.stdout and "ALL OK" in out.stdout
+
+
+# ------------------------------------------------------------------------ torch.func transforms
+
+_TRANSFORMS = {  # each of a module and an input batch x [M, IN]
+    "vmap": lambda m, x: torch.func.vmap(m)(torch.stack([x, x.flip(0)])),
+    "jacrev": lambda m, x: torch.func.jacrev(m)(x[:4]),
+    "jvp": lambda m, x: torch.func.jvp(m, (x,), (torch.ones_like(x),))[1],
+    "grad": lambda m, x: torch.func.grad(lambda t: m(t).square().sum())(x),
+}
+
+
+# torch.func.jvp's own first call scripts a helper with torch.jit, deprecated in torch 2.14.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
+@pytest.mark.parametrize("transform", list(_TRANSFORMS))
+@pytest.mark.parametrize("number", [84, 39])
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"),
+                                    pytest.param("cuda", id="cuda", marks=pytest.mark.hopper)])
+def test_torch_func_transforms_run_the_reference_modules(number, transform, device, request):
+    """Inside vmap, grad, jvp or jacrev (which the ops do not implement: the fused autograd is a
+    C++ Function, and there are no batching rules) an eval ModelNew runs Model's modules, so the
+    result is eager's to the bit; outside, the same call is fused."""
+    if device == "cpu":
+        request.getfixturevalue("fused_on_cpu")
+    ref, new = (m.to(device).eval() for m in make_pair(number, init_args(number, IN, OUT)))
+    x = torch.rand(8, IN, device=device)
+    with traced_epifuse_ops() as inside:
+        got = _TRANSFORMS[transform](new, x)
+    assert inside == [], f"the ops ran inside torch.func.{transform}: {inside}"
+    assert torch.equal(got, _TRANSFORMS[transform](ref, x))
+    with traced_epifuse_ops() as outside:
+        new(x).square().sum().backward()
+    assert "fused_head" in outside, "outside a transform the same call must be fused"
+    seen = []
+    torch.func.vmap(lambda t: seen.append(head.fast_path_reason(new, t)) or t)(x)
+    assert seen and "torch.func transform" in seen[0]
+
+
+@pytest.mark.parametrize("number", [84, 39])
+def test_vmap_of_a_training_head_raises_eagers_error(number, fused_on_cpu):
+    """Batch statistics under vmap: BatchNorm's own refusal (its running statistics are not
+    batched), not a failure inside an op."""
+    ref, new = make_pair(number, init_args(number, IN, OUT))
+    xs = torch.rand(2, 8, IN)
+    with pytest.raises(RuntimeError) as ref_error:
+        torch.func.vmap(ref)(xs)
+    with traced_epifuse_ops() as ran, pytest.raises(type(ref_error.value),
+                                                    match="running_mean or running_var"):
+        torch.func.vmap(new)(xs)
+    assert ran == []

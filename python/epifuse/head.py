@@ -93,6 +93,15 @@ def _device_supported(index: int) -> Optional[str]:
     return _DEVICE_REASONS[index]
 
 
+def transform_reason() -> Optional[str]:
+    """Why the fused ops cannot run now: inside a torch.func transform (vmap, grad, jvp, jacrev,
+    ...), which they do not implement (no batching rule, a C++ autograd Function); the reference
+    modules then run, with eager's results and errors. None outside any transform."""
+    if torch._C._are_functorch_transforms_active():  # a constant to torch.compile
+        return "inside a torch.func transform (vmap, grad, jvp, jacrev, ...)"
+    return None
+
+
 def _device_reason(x: Tensor) -> Optional[str]:
     """Why x's device cannot run the fused kernels (None: it can)."""
     if not x.is_cuda:
@@ -154,7 +163,7 @@ def fast_path_reason(module: nn.Module, x: Tensor) -> Optional[str]:
 def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
     if not isinstance(x, Tensor):
         return "input is not a tensor"
-    reason = _device_reason(x)
+    reason = _device_reason(x) or transform_reason()
     if reason is not None:
         return reason
     gemm, bn, scale = parts.gemm, parts.bn, parts.scale

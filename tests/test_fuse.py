@@ -269,3 +269,87 @@ def test_fuse_runs_fused_kernels_and_matches(build, dtype, op_calls):
         loss.backward()
     assert calls.count("fused_head") == calls.count("fused_head_backward") == 2, calls
     assert all(p.grad is not None for p in model.parameters())
+
+
+# ------------------------------------------------------------------------ module hooks
+# The fused path never calls the Linear or the BatchNorm, so their hooks (a feature extractor's
+# forward hook, torch.nn.utils.prune's pre-hook that recomputes the weight, an FSDP unit's
+# all-gather) would not run: while a head's modules have hooks, the head runs them.
+
+def _record(log, name):
+    return lambda module, *args: log.append(name)
+
+
+def _one_head() -> nn.Module:
+    return nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT), nn.ReLU())
+
+
+@pytest.mark.parametrize("where", ["linear-pre-hook", "bn-forward-hook", "bn-backward-hook",
+                                   "global-forward-hook"])
+def test_hooks_of_a_heads_modules_run_as_without_fusion(where, fused_on_cpu):
+    original, model, report = fused_pair(_one_head)
+    assert [f.where for f in report.fused] == ["0 -> 1 -> relu"]
+    log, ref_log = [], []
+    handles = []
+    for m, sink in ((model, log), (original, ref_log)):
+        if where == "linear-pre-hook":
+            handles.append(m[0].register_forward_pre_hook(_record(sink, "pre")))
+        elif where == "bn-forward-hook":
+            handles.append(m[1].register_forward_hook(_record(sink, "fwd")))
+        elif where == "bn-backward-hook":
+            handles.append(m[1].register_full_backward_hook(_record(sink, "bwd")))
+    if where == "global-forward-hook":
+        handles.append(nn.modules.module.register_module_forward_hook(
+            lambda module, *args: log.append(type(module).__name__)))
+    x = torch.rand(16, IN)
+    try:
+        with traced_epifuse_ops() as ran:
+            y = model(x)
+            y.sum().backward()
+        if where == "global-forward-hook":
+            assert {"Linear", "BatchNorm1d"} <= set(log), log
+        else:
+            y_ref = original(x)
+            y_ref.sum().backward()
+            assert log == ref_log and log, (log, ref_log)
+            assert rel_err(y, y_ref) < 1e-6
+        assert ran == [], f"a head with hooked modules ran the fused ops: {ran}"
+        assert "hooks" in head.fast_path_reason(model._epifuse_heads[0], x)
+    finally:
+        for h in handles:
+            h.remove()
+    with traced_epifuse_ops() as ran:  # the hooks gone: fused again
+        model(x)
+    assert "gemm_colstats" in ran
+
+
+def test_fuse_reports_hooked_modules_and_leaves_a_hooked_activation(fused_on_cpu):
+    torch.manual_seed(0)
+    model = randomize_bn_(sequential())
+    log = []
+    model[1].register_forward_hook(_record(log, "bn"))
+    model[2].register_forward_hook(_record(log, "relu"))  # the activation: left to the model
+    original = copy.deepcopy(model)
+    _, report = epifuse.fuse(model)
+    first = report.fused[0]
+    assert first.where == "0 -> 1", report
+    assert "has module hooks" in first.note and "relu left unfused: 2 has module hooks" in first.note
+    x = torch.rand(16, IN)
+    assert rel_err(model(x), original(x)) < 1e-6
+    assert log == ["bn", "relu"] * 2  # the fused model's call, then the deep copy's
+
+
+def test_pruned_linear_runs_its_pruning_hook(fused_on_cpu):
+    """torch.nn.utils.prune recomputes the weight in a forward pre-hook: the head must run it
+    (the fused path would read the weight as the hook last left it)."""
+    from torch.nn.utils import prune
+
+    original, model, _ = fused_pair(sequential)
+    for m in (model, original):
+        prune.l1_unstructured(m[0], "weight", amount=0.5)
+    x = torch.rand(16, IN)
+    for m in (model, original):  # a new mask after a forward: the hook's next call applies it
+        m(x)
+        m[0].weight_mask.zero_()
+        m.eval()
+    assert rel_err(model(x), original(x)) < 1e-6

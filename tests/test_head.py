@@ -489,3 +489,18 @@ def test_vmap_of_a_training_head_raises_eagers_error(number, fused_on_cpu):
                                                     match="running_mean or running_var"):
         torch.func.vmap(new)(xs)
     assert ran == []
+
+
+@pytest.mark.parametrize("number", [84, 39])
+def test_modelnew_with_a_hooked_submodule_runs_model_forward(number, fused_on_cpu):
+    """A forward hook on ModelNew.bn (a feature extractor's): Model.forward runs, hook and all."""
+    ref, new = make_pair(number, init_args(number, IN, OUT))
+    seen, seen_ref = [], []
+    new.bn.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    ref.bn.register_forward_hook(lambda m, i, o: seen_ref.append(o.detach().clone()))
+    x = torch.rand(8, IN)
+    assert "hooks" in head.fast_path_reason(new, x)
+    with traced_epifuse_ops() as ran:
+        y = new(x)
+    assert ran == [] and len(seen) == 1
+    assert torch.equal(y, ref(x)) and torch.equal(seen[0], seen_ref[0])

@@ -102,6 +102,22 @@ def transform_reason() -> Optional[str]:
     return None
 
 
+# The module hooks the unfused forward would run (nn.Module.__call__ of gemm and bn) and the fused
+# path does not call: their own, and those registered for every module.
+_GLOBAL_HOOKS = (nn.modules.module._global_forward_pre_hooks,
+                 nn.modules.module._global_forward_hooks,
+                 nn.modules.module._global_backward_pre_hooks,
+                 nn.modules.module._global_backward_hooks)
+
+
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks: forward (pre-)hooks or backward (pre-)hooks of its
+    own (register_forward_hook, register_full_backward_hook, ...) or of every module."""
+    d = module.__dict__
+    return bool(d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_pre_hooks"]
+                or d["_backward_hooks"] or any(_GLOBAL_HOOKS))
+
+
 def _device_reason(x: Tensor) -> Optional[str]:
     """Why x's device cannot run the fused kernels (None: it can)."""
     if not x.is_cuda:
@@ -167,6 +183,10 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
     if reason is not None:
         return reason
     gemm, bn, scale = parts.gemm, parts.bn, parts.scale
+    if has_module_hooks(gemm) or has_module_hooks(bn):
+        # The hooks see (and may change) the Linear's and the BatchNorm's inputs and outputs,
+        # which the fused path never forms: the modules run, hooks and all.
+        return "the Linear or the BatchNorm has module hooks, which only the modules' own calls run"
     if x.dim() != 2:
         return f"input is {x.dim()}-D, not 2-D"
     if x.shape[1] != gemm.in_features:

@@ -9,7 +9,8 @@ traced forward, by one ``FusedChain`` call (``fusion.chain``), and the model's
 
 Nothing else about the model changes: same class, same submodules, same
 parameter and buffer objects, so ``state_dict()`` keys and values, optimizers
-built before or after, hooks and ``train()``/``eval()``/``to()`` keep working.
+built before or after, hooks and ``train()``/``eval()``/``to()`` keep working (a head whose
+Linear or BatchNorm has hooks runs those modules while it does: ``head.has_module_hooks``).
 A module whose forward cannot be traced (data-dependent control flow) is
 left as is and its children are tried one by one.
 """

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from ..head import has_module_hooks
 from ..nn import BATCH_NORMS, DEFAULT_NEGATIVE_SLOPE, activation_of_module, describe_activation
 from .chain import FusedChain, slot_of
 from .report import Fused, Skipped
@@ -156,6 +157,12 @@ def _activation(modules: dict[str, nn.Module], node: fx.Node,
     return name, DEFAULT_NEGATIVE_SLOPE
 
 
+def _hooked_module(modules: dict[str, nn.Module], node: Optional[fx.Node]) -> Optional[str]:
+    """The target of a module call node whose module has hooks (which only its call runs)."""
+    module = _module(modules, node) if node is not None else None
+    return node.target if module is not None and has_module_hooks(module) else None
+
+
 def _bn_problem(bn: nn.Module, n: int) -> Optional[str]:
     if not isinstance(bn, BATCH_NORMS):
         return None  # not a BatchNorm1d at all: not a candidate, nothing to report
@@ -213,8 +220,16 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
             match.scale, match.scale_position = post, "after_bn"
             match.nodes.append(nxt)
             cur, nxt = nxt, _sole_user(nxt)
+    if has_module_hooks(linear) or has_module_hooks(bn):
+        match.notes.append("the Linear or the BatchNorm has module hooks: the head runs its "
+                           "modules, hooks and all, while they do")
     act = _activation(modules, nxt, cur) if nxt is not None else None
-    if act is not None and len(nxt.users) > 1:
+    hooked = _hooked_module(modules, nxt)
+    if act is not None and hooked:
+        # The head applies its activation by name: the module, and its hooks, would not run.
+        match.notes.append(f"{describe_activation(*act)} left unfused: {hooked} has module hooks")
+        nxt = None
+    elif act is not None and len(nxt.users) > 1:
         # A shared activation stays the model's own (a conservative rule: fusing it would be
         # exact too, every reader getting the head's output), and so does any softmax after it.
         match.notes.append(f"{describe_activation(*act)} left unfused: its output has "
@@ -226,7 +241,10 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
         cur, nxt = nxt, _sole_user(nxt)
     if nxt is not None:
         is_softmax, dim = _softmax_dim(modules, nxt, cur)
-        if is_softmax and dim in (1, -1):
+        hooked = _hooked_module(modules, nxt)
+        if is_softmax and hooked:
+            match.notes.append(f"softmax left unfused: {hooked} has module hooks")
+        elif is_softmax and dim in (1, -1):
             match.softmax_dim = dim
             match.nodes.append(nxt)
         elif is_softmax:

@@ -96,6 +96,24 @@ def test_small_problems_run_sgemm(m, k, n):
 
 
 @hopper_only
+def test_batches_taller_than_one_split_launch():
+    """Over 2^21 rows (65535 row tiles of 32, split_tf32's grid.y limit; a per-pixel head): the
+    split runs in bands of rows, and the GEMM, its statistics and a non-finite row in the last band
+    come out as for any batch."""
+    m, k, n = 65535 * 32 + 4000, 64, 64
+    x, w = _operands(m, k, n, seed=5)
+    x[m - 7, 3] = float("nan")  # a row of the second band
+    assert _ran_split_gemm(lambda: ops.gemm_colstats(x, w, "3xtf32"))
+    z, colsum, colsumsq = ops.gemm_colstats(x, w, "3xtf32")
+    expected = x.double() @ w.double().T
+    assert torch.isnan(z[m - 7]).all() and torch.isfinite(z[: m - 7]).all()
+    finite = torch.ones(m, dtype=torch.bool, device=CUDA)
+    finite[m - 7] = False
+    assert rel_err(z[finite], expected[finite]) <= 1e-6
+    assert torch.isnan(colsum).all() and torch.isnan(colsumsq).all()  # eager BatchNorm's too
+
+
+@hopper_only
 def test_nonfinite_rows_match_ieee():
     x, w = _operands(1024, 1024, 1024)
     x[3, 7] = float("inf")

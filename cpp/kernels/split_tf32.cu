@@ -81,14 +81,18 @@ void split_tf32(const float* src, int64_t rows, int64_t cols, int64_t ld_row, in
   if (nonfinite_rows != nullptr && rows > 0)
     cudaMemsetAsync(nonfinite_rows, 0, sizeof(int) * size_t(rows), stream);
   if (rows == 0 || cols == 0) return;
-  const int64_t padded = split_tf32_ld(cols) / 2;
-  const dim3 grid(unsigned((padded + kTile - 1) / kTile), unsigned((rows + kTile - 1) / kTile));
-  if (grid.y > 65535u)
-    throw std::runtime_error("epifuse: split_tf32: too many rows for one launch");
-  split_tf32_kernel<<<grid, dim3(kTile, kRowsPerPass), 0, stream>>>(src, rows, cols, ld_row, ld_col,
-                                                                    dst, split_tf32_ld(cols),
-                                                                    nonfinite_rows);
-  check_launch("split_tf32");
+  const int64_t padded = split_tf32_ld(cols) / 2, dst_ld = split_tf32_ld(cols);
+  // Rows go on grid.y, at most 65535 tiles a launch: a taller operand (a batch of over 2^21 rows)
+  // is split in bands of rows, one launch each.
+  constexpr int64_t kBandRows = int64_t(65535) * kTile;
+  for (int64_t r = 0; r < rows; r += kBandRows) {
+    const int64_t band = std::min(kBandRows, rows - r);
+    const dim3 grid(unsigned((padded + kTile - 1) / kTile), unsigned((band + kTile - 1) / kTile));
+    split_tf32_kernel<<<grid, dim3(kTile, kRowsPerPass), 0, stream>>>(
+        src + r * ld_row, band, cols, ld_row, ld_col, dst + r * dst_ld, dst_ld,
+        nonfinite_rows != nullptr ? nonfinite_rows + r : nullptr);
+    check_launch("split_tf32");
+  }
 }
 
 }  // namespace epifuse

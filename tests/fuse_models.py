@@ -98,3 +98,8 @@ def fused_pair(build):
     fused, report = epifuse.fuse(model)
     assert fused is model
     return original, model, report
+
+
+def fused_graph(model: nn.Module):
+    """The fx graph of a fused model's forward (a partial of its GraphModule's forward)."""
+    return model.forward.func.__self__.graph

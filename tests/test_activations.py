@@ -20,7 +20,8 @@ import epifuse
 from epifuse import fold, head
 from epifuse.head_config import HeadConfig
 from epifuse.nn import DEFAULT_NEGATIVE_SLOPE, FusedLinearBatchNorm
-from fuse_models import fused_pair, randomize_bn_
+from epifuse.fusion import _call_member
+from fuse_models import fused_graph, fused_pair, randomize_bn_
 from helpers import FUSED_NODE, assert_no_farther_from_float64_than_eager, fused_nodes, rel_err
 
 IN, OUT, ROWS = 24, 16, 32
@@ -361,8 +362,9 @@ class ActivationNearMisses(nn.Module):
 
 def _called_modules(model: nn.Module) -> set[str]:
     """The submodules the fused forward (fx's GraphModule) still calls."""
-    graph = model.forward.__self__.graph
-    return {n.target for n in graph.nodes if n.op == "call_module"}
+    nodes = fused_graph(model).nodes
+    return ({n.target for n in nodes if n.op == "call_module"}  # the fused heads
+            | {n.args[1] for n in nodes if n.op == "call_function" and n.target is _call_member})
 
 
 def _forward_both(original, model, training, steps=3, tol=1e-5):
@@ -433,9 +435,9 @@ def test_fuse_takes_the_functional_forms(fused_on_cpu, op_calls):
     original, model, report = fused_pair(lambda: Forms(FUNCTIONAL_FORMS))
     assert [f.where for f in report.fused] == _expected_forms(FUNCTIONAL_FORMS)
     assert report.skipped == [] and all(not f.note for f in report.fused)
-    graph = model.forward.__self__.graph
+    graph = fused_graph(model)
     assert not [n for n in graph.nodes if n.op in ("call_function", "call_method")
-                and n.target not in (torch.cat,)]  # every activation inside a head
+                and n.target not in (torch.cat, _call_member)]  # every activation inside a head
     for training in (True, False):
         _forward_both(original, model, training)
         _gradients_match(original, model, training)
@@ -461,7 +463,7 @@ def test_activations_fuse_leaves_outside(fused_on_cpu, op_calls):
     assert fused["tanh -> tanh_bn"] == fused["elu -> elu_bn"] == ""
     assert report.skipped == []
     assert "tanh_act" in _called_modules(model)  # the module runs as before
-    graph = model.forward.__self__.graph
+    graph = fused_graph(model)
     left = {n.target for n in graph.nodes if n.op == "call_function"}
     assert {F.relu, F.elu, torch.softmax} <= left and F.gelu not in left
     for training in (True, False):

@@ -353,3 +353,167 @@ def test_pruned_linear_runs_its_pruning_hook(fused_on_cpu):
         m[0].weight_mask.zero_()
         m.eval()
     assert rel_err(model(x), original(x)) < 1e-6
+
+
+# ------------------------------------------------------------------------ changes after fuse
+# A fused model is still the user's model: settings, parameters and modules changed after fuse()
+# (or modules the head cannot compute) give what the unfused model gives.
+
+def _same_as_eager(original, model, x, *, steps=2, training=True):
+    original.train(training), model.train(training)
+    for _ in range(steps):
+        assert rel_err(model(x), original(x)) < 1e-6
+    for (name, a), (_, b) in zip(model.state_dict().items(), original.state_dict().items()):
+        assert torch.equal(a, b) if a.dtype == torch.long else rel_err(a, b) < 1e-6, name
+
+
+def test_track_running_stats_cleared_freezes_the_statistics(fused_on_cpu):
+    """BatchNorm's rule: with track_running_stats cleared on a trained BatchNorm (its buffers
+    kept), training uses batch statistics and leaves the running ones alone; eval reads them."""
+    original, model, _ = fused_pair(_one_head)
+    for m in (original, model):
+        m[1].track_running_stats = False
+    x = torch.rand(16, IN)
+    with traced_epifuse_ops() as ran:
+        _same_as_eager(original, model, x)
+    assert "fused_head" in ran and "update_running_stats" not in ran
+    assert model[1].num_batches_tracked.item() == 0
+    _same_as_eager(original, model, x, training=False)
+
+
+def test_a_linear_or_batchnorm_with_its_own_forward_is_not_fused(fused_on_cpu):
+    """A QAT Linear (fake-quantized weight) computes something else than nn.Linear: fuse() leaves
+    it, with the reason; FusedLinearBatchNorm refuses it."""
+    import torch.ao.nn.qat as nnqat
+    from torch.ao.quantization import get_default_qat_qconfig
+
+    def build():
+        return nn.Sequential(nnqat.Linear(IN, OUT, qconfig=get_default_qat_qconfig("x86")),
+                             nn.BatchNorm1d(OUT))
+
+    original, model, report = fused_pair(build)
+    assert report.fused == [] and "forward of its own" in report.skipped[0].reason
+    _same_as_eager(original, model, torch.rand(16, IN))
+
+    class MyNorm(nn.BatchNorm1d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    with pytest.raises(TypeError, match="linear to be an nn.Linear .*keeps its forward"):
+        FusedLinearBatchNorm(build()[0], nn.BatchNorm1d(OUT))
+    with pytest.raises(TypeError, match="batch_norm to be .*keeps its forward.*got MyNorm"):
+        FusedLinearBatchNorm(nn.Linear(IN, OUT), MyNorm(OUT))
+    # Put in a fused chain's place after fuse: the chain runs the modules.
+    original, model, _ = fused_pair(_one_head)
+    for m in (original, model):
+        m[1] = MyNorm(OUT)
+    _same_as_eager(original, model, torch.rand(16, IN))
+
+
+def test_parameters_and_modules_rebound_after_fuse_are_used(fused_on_cpu):
+    """The fused forward looks the model's members up at each call, as the model's own forward
+    does: load_state_dict(assign=True), a replaced submodule, to_empty() after a meta build."""
+
+    class WithOffset(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = nn.Linear(IN, OUT), nn.BatchNorm1d(OUT)
+            self.offset = nn.Parameter(torch.zeros(OUT))
+            self.out = nn.Linear(OUT, 4)
+
+        def forward(self, x):
+            return self.out(self.bn(self.fc(x)) + self.offset)
+
+    original, model, report = fused_pair(WithOffset)
+    assert len(report.fused) == 1
+    state = {k: v + 1 if k == "offset" else v for k, v in original.state_dict().items()}
+    x = torch.rand(16, IN)
+    for m in (original, model):
+        m.load_state_dict(state, assign=True)
+        m.out = nn.Linear(OUT, 2)
+    model.out.load_state_dict(original.out.state_dict())
+    _same_as_eager(original, model, x)
+    model(x).sum().backward()
+    assert model.offset.grad is not None and model.out.weight.grad is not None
+
+    with torch.device("meta"):
+        meta = WithOffset()
+    epifuse.fuse(meta)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(state)
+    reference = WithOffset()
+    reference.load_state_dict(state)
+    with traced_epifuse_ops() as ran:
+        assert rel_err(meta.eval()(x), reference.eval()(x)) < 1e-6
+    assert "fused_head" in ran
+
+
+@pytest.mark.parametrize("change", ["slope", "activation-hook", "activation-replaced",
+                                    "softmax-dim", "softmax-replaced"])
+def test_activation_and_softmax_modules_changed_after_fuse(change, fused_on_cpu):
+    """The activation and softmax modules a chain took in: changed after fuse (a setting, a
+    replacement, a hook), the chain runs the model's modules as they are now."""
+    def build():
+        return nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT), nn.LeakyReLU(0.1),
+                             nn.Softmax(dim=1))
+
+    original, model, report = fused_pair(build)
+    assert [f.where for f in report.fused] == [
+        "0 -> 1 -> leaky_relu(negative_slope=0.1) -> softmax(dim=1)"]
+    log = []
+    for m in (original, model):
+        if change == "slope":
+            m[2].negative_slope = 0.5
+        elif change == "activation-hook":
+            m[2].register_forward_hook(lambda *args: log.append("act"))
+        elif change == "activation-replaced":
+            m[2] = nn.Tanh()
+        elif change == "softmax-dim":
+            m[3].dim = 0
+        else:
+            m[3] = nn.Identity()
+    x = torch.rand(16, IN)
+    _same_as_eager(original, model, x)
+    if change == "activation-hook":
+        assert log == ["act"] * 4
+    for m in (original, model):  # a change undone: fused again (a hook stays)
+        m[2], m[3] = nn.LeakyReLU(0.1), nn.Softmax(dim=1)
+    with traced_epifuse_ops() as ran:
+        _same_as_eager(original, model, x, steps=1)
+    assert "fused_head" in ran
+
+
+@pytest.mark.parametrize("replacement", ["LayerNorm", "Identity", "BatchNorm2d"])
+def test_batchnorm_replaced_after_fuse(replacement, fused_on_cpu):
+    """The chain's BatchNorm replaced by another module: it runs, with its own result or error."""
+    original, model, _ = fused_pair(_one_head)
+    for m in (original, model):
+        m[1] = {"LayerNorm": lambda: nn.LayerNorm(OUT), "Identity": nn.Identity,
+                "BatchNorm2d": lambda: nn.BatchNorm2d(OUT)}[replacement]()
+    x = torch.rand(16, IN)
+    if replacement == "BatchNorm2d":
+        with pytest.raises(ValueError, match="expected 4D input"):
+            original(x)
+        with pytest.raises(ValueError, match="expected 4D input"):
+            model(x)
+    else:
+        _same_as_eager(original, model, x)
+
+
+@pytest.mark.parametrize("eps,momentum", [(0.0, 0.1), (-1e-3, 0.1), (1e-5, 1.5), (1e-5, -0.5)])
+def test_batchnorm_settings_the_ops_refuse_behave_as_eager(eps, momentum, fused_on_cpu):
+    """eps <= 0 with batch statistics (an error in torch 2.14), a momentum outside [0, 1]
+    (accepted by BatchNorm): the modules decide, result or error."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, OUT), nn.BatchNorm1d(OUT, eps=eps, momentum=momentum))
+    original = copy.deepcopy(model)
+    epifuse.fuse(model)
+    x = torch.rand(16, IN)
+    try:
+        expected = original(x)
+    except Exception as e:  # noqa: BLE001 - whichever error this torch's BatchNorm raises
+        with pytest.raises(type(e)):
+            model(x)
+        return
+    assert rel_err(model(x), expected) < 1e-6 or (expected.isnan() == model(x).isnan()).all()
+    assert rel_err(model[1].running_mean, original[1].running_mean) < 1e-6

@@ -504,3 +504,23 @@ def test_modelnew_with_a_hooked_submodule_runs_model_forward(number, fused_on_cp
         y = new(x)
     assert ran == [] and len(seen) == 1
     assert torch.equal(y, ref(x)) and torch.equal(seen[0], seen_ref[0])
+
+
+@pytest.mark.parametrize("change", ["dim", "hook", "replaced"])
+def test_p84_softmax_module_changed_runs_model_forward(change, fused_on_cpu):
+    """ModelNew (problem 84) fuses Model's nn.Softmax(dim=1): made into something else, Model's
+    forward runs, with that module."""
+    ref, new = make_pair(84, init_args(84, IN, OUT))
+    log = []
+    for m in (ref, new):
+        if change == "dim":
+            m.softmax.dim = 0
+        elif change == "hook":
+            m.softmax.register_forward_hook(lambda *args: log.append(1))
+        else:
+            m.softmax = torch.nn.LogSoftmax(dim=1)
+    x = torch.rand(8, IN)
+    with traced_epifuse_ops() as ran:
+        y = new(x)
+    assert ran == [] and torch.equal(y, ref(x))
+    assert log == ([1, 1] if change == "hook" else [])

@@ -125,6 +125,23 @@ def _device_reason(x: Tensor) -> Optional[str]:
     return _device_supported(x.device.index)  # a CUDA tensor's device always has an index
 
 
+# The head computes nn.Linear's and BatchNorm1d's math from their parameters and buffers. A subclass
+# with a forward of its own (a QAT Linear's fake-quantized weight, a custom BatchNorm) computes
+# something else: such a head runs its modules.
+_BATCH_NORM_FORWARDS = (nn.BatchNorm1d.forward, nn.SyncBatchNorm.forward)
+
+
+def computes_as_linear(module: object) -> bool:
+    """An nn.Linear whose class keeps nn.Linear's forward."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def computes_as_batch_norm(module: object) -> bool:
+    """An nn.BatchNorm1d or nn.SyncBatchNorm whose class keeps its forward."""
+    return (isinstance(module, (nn.BatchNorm1d, nn.SyncBatchNorm))
+            and type(module).forward in _BATCH_NORM_FORWARDS)
+
+
 class _Parts(NamedTuple):
     """A head's submodules, parameters and buffers, each looked up once per forward.
 
@@ -164,6 +181,10 @@ def _member(module: nn.Module, registry: str, name: str):
 
 def _parts(module: nn.Module) -> _Parts:
     gemm, bn = _member(module, "_modules", "gemm"), _member(module, "_modules", "bn")
+    if not (computes_as_linear(gemm) and computes_as_batch_norm(bn)):
+        # Not the modules the head computes (a LayerNorm put where the BatchNorm was, a QAT
+        # Linear): nothing else is read; _reason sends the head to its modules.
+        return _Parts(gemm, bn, *(None,) * 8)
     return _Parts(gemm, bn, _member(gemm, "_parameters", "weight"),
                   _member(gemm, "_parameters", "bias"), _member(bn, "_parameters", "weight"),
                   _member(bn, "_parameters", "bias"), _member(module, "_parameters", "scale"),
@@ -183,6 +204,11 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
     if reason is not None:
         return reason
     gemm, bn, scale = parts.gemm, parts.bn, parts.scale
+    if not computes_as_linear(gemm):
+        return f"gemm is a {type(gemm).__name__}, not an nn.Linear with nn.Linear's forward"
+    if not computes_as_batch_norm(bn):
+        return (f"bn is a {type(bn).__name__}, not an nn.BatchNorm1d / nn.SyncBatchNorm with its "
+                f"forward")
     if has_module_hooks(gemm) or has_module_hooks(bn):
         # The hooks see (and may change) the Linear's and the BatchNorm's inputs and outputs,
         # which the fused path never forms: the modules run, hooks and all.
@@ -198,6 +224,12 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
         return "training batch of 1 row"
     if x.dtype not in _FAST_DTYPES:
         return f"dtype {x.dtype} not supported"
+    # Settings BatchNorm itself handles (eps = 0 with batch statistics: an error in torch 2.14;
+    # a momentum outside [0, 1]: accepted) and the ops refuse: the modules decide.
+    if not bn.eps >= 0 or (bn.eps == 0 and _batch_statistics(parts)):
+        return f"BatchNorm eps={bn.eps} (the ops take eps > 0, or eps = 0 with running statistics)"
+    if bn.momentum is not None and not 0 <= bn.momentum <= 1:
+        return f"BatchNorm momentum={bn.momentum} outside [0, 1]"
     if (parts.gamma is None) != (parts.beta is None):
         return "BatchNorm has a weight without a bias or a bias without a weight"
     if (parts.running_mean is None) != (parts.running_var is None):
@@ -253,7 +285,9 @@ def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
     if _reason(parts, x) is not None:
         return reference(module, x) if group is None else _synced_reference(module, x, spec, group)
     bn = parts.bn
-    tracks_running_stats = parts.running_mean is not None
+    # BatchNorm's rule: running statistics are updated in training only while track_running_stats
+    # is set (a flag people clear on a trained BatchNorm to freeze its statistics; the buffers stay).
+    tracks_running_stats = parts.running_mean is not None and bn.track_running_stats
     config = HeadConfig(precision=resolve_precision(module.precision, x.dtype),
                         training=_batch_statistics(parts), scale_before_bn=spec.scale_before_bn,
                         softmax=spec.softmax, activation=spec.activation,

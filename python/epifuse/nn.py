@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from .distributed import configure_sync_batchnorm
-from .head import ACTIVATION_NAMES, HeadSpec, apply_activation, run_head
+from .head import (ACTIVATION_NAMES, HeadSpec, apply_activation, computes_as_batch_norm,
+                   computes_as_linear, run_head)
 from .head_config import DEFAULT as HEAD_DEFAULTS
 from .precision import validate_precision
 from .scripting import NotScriptable
@@ -102,11 +103,12 @@ def resolve_activation(activation: Optional[Union[str, nn.Module]],
 def check_head_parts(linear: nn.Module, batch_norm: nn.Module, scale: Optional[Tensor],
                      scale_position: str) -> None:
     """Raise TypeError / ValueError (PyTorch style) unless the parts form a fusable head."""
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"expected linear to be an nn.Linear, got {type(linear).__name__}")
-    if not isinstance(batch_norm, BATCH_NORMS):
-        raise TypeError(f"expected batch_norm to be an nn.BatchNorm1d or nn.SyncBatchNorm, got "
-                        f"{type(batch_norm).__name__}")
+    if not computes_as_linear(linear):
+        raise TypeError(f"expected linear to be an nn.Linear (or a subclass that keeps its "
+                        f"forward), got {type(linear).__name__}")
+    if not computes_as_batch_norm(batch_norm):
+        raise TypeError(f"expected batch_norm to be an nn.BatchNorm1d or nn.SyncBatchNorm (or a "
+                        f"subclass that keeps its forward), got {type(batch_norm).__name__}")
     n = linear.out_features
     if batch_norm.num_features != n:
         raise ValueError(f"batch_norm has {batch_norm.num_features} features, linear has "
@@ -133,11 +135,7 @@ def head_reference(module: nn.Module, x: Tensor) -> Tensor:
     y = module.bn(y)
     if module.has_scale and module.scale_position == "after_bn":
         y = y * module.scale
-    if module.activation:  # the activation module's math; it holds no state
-        y = apply_activation(y, module.activation, module.negative_slope)
-    if module.softmax_dim is not None:
-        y = torch.softmax(y, module.softmax_dim)
-    return y
+    return module.activation_and_softmax(y)
 
 
 class HeadModule(NotScriptable, nn.Module):
@@ -164,6 +162,13 @@ class HeadModule(NotScriptable, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return run_head(self, x, self._spec, head_reference)
+
+    def activation_and_softmax(self, y: Tensor) -> Tensor:
+        """The unfused tail of the head: its activation (the module's math; it holds no state)
+        and softmax."""
+        if self.activation:
+            y = apply_activation(y, self.activation, self.negative_slope)
+        return y if self.softmax_dim is None else torch.softmax(y, self.softmax_dim)
 
     def extra_repr(self) -> str:
         scale = self.scale_position if self.has_scale else "none"

@@ -17,6 +17,7 @@ left as is and its children are tried one by one.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from torch import fx, nn
@@ -72,12 +73,12 @@ def _fuse_traced(module: nn.Module, path: str, precision: Optional[str],
     if not matches:
         return True
     chains, fused = rewrite(module, graph, matches, precision)
-    targets = {node.target for node in graph.nodes if node.op in ("call_module", "get_attr")}
-    attrs = {t: chains[t] if t in chains else _lookup(module, t) for t in targets}
-    traced = fx.GraphModule(attrs, graph, class_name=f"{type(module).__name__}Fused")
+    _look_up_at_each_call(graph, set(chains))
+    traced = fx.GraphModule(chains, graph, class_name=f"{type(module).__name__}Fused")
     # The instance attribute shadows the class's forward; nn.Module.__call__ (hooks included)
-    # calls it. It is bound to the GraphModule, which pickles and deep-copies with the model.
-    module.forward = traced.forward
+    # calls it with the model as the graph's first input. The GraphModule holds the fused heads
+    # only, and pickles and deep-copies with the model.
+    module.forward = functools.partial(traced.forward, module)
     setattr(module, HEADS_ATTR, tuple(chains.values()))
     report.fused.extend(fused)
     return True
@@ -88,6 +89,46 @@ def _lookup(root: nn.Module, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _call_member(owner: nn.Module, target: str, *args, **kwargs):
+    """``owner.<target>(*args, **kwargs)``, the submodule looked up at the call."""
+    return _lookup(owner, target)(*args, **kwargs)
+
+
+def _member(owner: nn.Module, target: str):
+    """``owner.<target>`` (a parameter, buffer or other attribute), looked up at the call."""
+    return _lookup(owner, target)
+
+
+# Leaves for fx (the GraphModule re-traces its code when unpickled): calls, not inlined.
+fx.wrap("_call_member")
+fx.wrap("_member")
+
+
+def _look_up_at_each_call(graph: fx.Graph, chains: set[str]) -> None:
+    """Make the fused forward read the model's submodules, parameters and buffers through the
+    model at each call, as its own forward does, instead of holding the objects found at fuse
+    time: a parameter reassigned later (``load_state_dict(assign=True)``, ``to_empty()`` after a
+    meta-device build) or a submodule replaced is then the one used. The model becomes the
+    graph's first input; the fused heads (``chains``) stay attributes of the GraphModule (they
+    look their own parts up at each call)."""
+    first = next(iter(graph.nodes))
+    with graph.inserting_before(first):
+        owner = graph.placeholder("epifuse_owner")
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            new_args, target = (owner, node.target), _member
+        elif node.op == "call_module" and node.target not in chains:
+            new_args, target = (owner, node.target, *node.args), _call_member
+        else:
+            continue
+        with graph.inserting_before(node):
+            replacement = graph.call_function(target, new_args, dict(node.kwargs))
+        replacement.meta = node.meta
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+    graph.lint()
 
 
 def _fuse(module: nn.Module, path: str, precision: Optional[str], report: FuseReport) -> None:
@@ -126,6 +167,8 @@ def fuse(model: nn.Module, *, precision: Optional[str] = None) -> tuple[nn.Modul
     The fused forward is ``torch.fx``'s trace of the original one: Python-level
     branches (``if self.training:``, flags) are fixed as they were at fuse time,
     as with any fx transform. Fuse again after changing the model's structure.
+    Submodules, parameters and buffers are looked up on the model at each call, and a
+    head whose modules changed since (replaced, re-set, hooked) runs them as they are.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"epifuse.fuse expects an nn.Module, got {type(model).__name__}")

@@ -15,7 +15,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ..nn import DEFAULT_NEGATIVE_SLOPE, HeadModule
+from ..head import apply_activation, has_module_hooks
+from ..nn import DEFAULT_NEGATIVE_SLOPE, HeadModule, activation_of_module, head_reference
 
 
 class Slot(NamedTuple):
@@ -46,10 +47,13 @@ class FusedChain(HeadModule):
 
     def __init__(self, gemm: Slot, bn: Slot, scale: Optional[Slot], scale_position: str,
                  softmax_dim: Optional[int], precision: Optional[str], where: str,
-                 activation: str = "", negative_slope: float = DEFAULT_NEGATIVE_SLOPE):
+                 activation: str = "", negative_slope: float = DEFAULT_NEGATIVE_SLOPE,
+                 activation_module: Optional[Slot] = None, softmax_module: Optional[Slot] = None):
         super().__init__()
         # Plain attributes, not submodules: the model already owns these modules.
         self._gemm_slot, self._bn_slot, self._scale_slot = gemm, bn, scale
+        # The activation and softmax modules the chain took in (None: functions, or none).
+        self._activation_slot, self._softmax_slot = activation_module, softmax_module
         self.has_scale = scale is not None
         self.where = where
         self._unit: dict[tuple[torch.dtype, torch.device], Tensor] = {}
@@ -74,6 +78,37 @@ class FusedChain(HeadModule):
         if unit is None:
             unit = self._unit[key] = torch.ones(1, dtype=weight.dtype, device=weight.device)
         return unit
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._modules_changed():
+            return head_reference(self, x)
+        return super().forward(x)
+
+    def _modules_changed(self) -> bool:
+        """Whether the activation or softmax module taken in at fuse time has changed since: a
+        setting (LeakyReLU's slope, Softmax's dim), the module put in its place, or hooks of its
+        own, which only its call runs. The chain then runs its modules, these included."""
+        if self._activation_slot is not None:
+            module = self._activation_slot.get()
+            if (activation_of_module(module) != (self.activation, self.negative_slope)
+                    or has_module_hooks(module)):
+                return True
+        if self._softmax_slot is not None:
+            module = self._softmax_slot.get()
+            if (type(module) is not nn.Softmax or module.dim != self.softmax_dim
+                    or has_module_hooks(module)):
+                return True
+        return False
+
+    def activation_and_softmax(self, y: Tensor) -> Tensor:
+        """The unfused tail: the model's own activation and softmax modules where it has them."""
+        if self._activation_slot is not None:
+            y = self._activation_slot.get()(y)
+        elif self.activation:
+            y = apply_activation(y, self.activation, self.negative_slope)
+        if self._softmax_slot is not None:
+            return self._softmax_slot.get()(y)
+        return y if self.softmax_dim is None else torch.softmax(y, self.softmax_dim)
 
     def extra_repr(self) -> str:
         return f"{self.where}: {super().extra_repr()}"

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..head import has_module_hooks
+from ..head import computes_as_batch_norm, computes_as_linear, has_module_hooks
 from ..nn import BATCH_NORMS, DEFAULT_NEGATIVE_SLOPE, activation_of_module, describe_activation
 from .chain import FusedChain, slot_of
 from .report import Fused, Skipped
@@ -52,6 +52,9 @@ class Match:
     activation: str = ""  # HeadConfig's name, '' none
     negative_slope: float = DEFAULT_NEGATIVE_SLOPE
     softmax_dim: Optional[int] = None
+    # call_module targets of an activation / softmax module the chain took in (None: a function)
+    activation_module: Optional[str] = None
+    softmax_module: Optional[str] = None
     notes: list[str] = field(default_factory=list)
     prefix: str = ""  # the traced module's path in the model, for the report
 
@@ -166,6 +169,8 @@ def _hooked_module(modules: dict[str, nn.Module], node: Optional[fx.Node]) -> Op
 def _bn_problem(bn: nn.Module, n: int) -> Optional[str]:
     if not isinstance(bn, BATCH_NORMS):
         return None  # not a BatchNorm1d at all: not a candidate, nothing to report
+    if not computes_as_batch_norm(bn):
+        return f"{type(bn).__name__} has a forward of its own, not BatchNorm's"
     if bn.num_features != n:
         return f"BatchNorm has {bn.num_features} features, the Linear {n}"
     return None
@@ -185,6 +190,11 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
                 return True
         return False
 
+    if not computes_as_linear(linear):
+        if reaches_bn(lin_node):
+            skipped.append(Skipped(prefix + lin_node.target, f"{type(linear).__name__} has a "
+                                   f"forward of its own, not nn.Linear's (e.g. a QAT Linear)"))
+        return None
     if len(lin_node.users) > 1:
         if reaches_bn(lin_node):
             skipped.append(Skipped(prefix + lin_node.target, f"the Linear's output has "
@@ -237,6 +247,7 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
         nxt = None
     elif act is not None:
         match.activation, match.negative_slope = act
+        match.activation_module = nxt.target if nxt.op == "call_module" else None
         match.nodes.append(nxt)
         cur, nxt = nxt, _sole_user(nxt)
     if nxt is not None:
@@ -246,6 +257,7 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
             match.notes.append(f"softmax left unfused: {hooked} has module hooks")
         elif is_softmax and dim in (1, -1):
             match.softmax_dim = dim
+            match.softmax_module = nxt.target if nxt.op == "call_module" else None
             match.nodes.append(nxt)
         elif is_softmax:
             match.notes.append(f"softmax over dim {dim} left unfused (only the feature "
@@ -291,7 +303,9 @@ def rewrite(root: nn.Module, graph: fx.Graph, matches: list[Match],
         chains[name] = FusedChain(slot_of(root, m.linear), slot_of(root, m.bn),
                                   slot_of(root, m.scale) if m.scale else None, m.scale_position,
                                   m.softmax_dim, precision, m.where, m.activation,
-                                  m.negative_slope)
+                                  m.negative_slope,
+                                  slot_of(root, m.activation_module) if m.activation_module else None,
+                                  slot_of(root, m.softmax_module) if m.softmax_module else None)
         first, last = m.nodes[0], m.nodes[-1]
         with graph.inserting_after(last):
             call = graph.call_module(name, args=first.args)

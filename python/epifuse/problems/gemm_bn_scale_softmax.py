@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from epifuse.distributed import configure_sync_batchnorm
-from epifuse.head import HeadSpec, run_head
+from epifuse.head import HeadSpec, has_module_hooks, run_head
 from epifuse.precision import validate_precision
 from epifuse.scripting import NotScriptable
 
@@ -54,7 +54,15 @@ class ModelNew(NotScriptable, Model):
         configure_sync_batchnorm(self, sync_batchnorm, process_group)
 
     def forward(self, x):
+        if _softmax_changed(self.softmax):
+            return Model.forward(self, x)
         return run_head(self, x, _SPEC, Model.forward)
+
+
+def _softmax_changed(softmax) -> bool:
+    """Model's softmax module made into something else since (another dim or module, hooks): the
+    fused head computes nn.Softmax(dim=1), so Model.forward runs instead."""
+    return type(softmax) is not nn.Softmax or softmax.dim != 1 or has_module_hooks(softmax)
 
 
 batch_size = 1024

@@ -507,9 +507,9 @@ def test_modelnew_with_a_hooked_submodule_runs_model_forward(number, fused_on_cp
 
 
 @pytest.mark.parametrize("change", ["dim", "hook", "replaced"])
-def test_p84_softmax_module_changed_runs_model_forward(change, fused_on_cpu):
-    """ModelNew (problem 84) fuses Model's nn.Softmax(dim=1): made into something else, Model's
-    forward runs, with that module."""
+def test_p84_softmax_module_changed_runs_that_module(change, fused_on_cpu):
+    """ModelNew (problem 84) fuses Model's nn.Softmax(dim=1): made into something else, the head
+    up to the scale stays fused and that module runs after it."""
     ref, new = make_pair(84, init_args(84, IN, OUT))
     log = []
     for m in (ref, new):
@@ -522,5 +522,6 @@ def test_p84_softmax_module_changed_runs_model_forward(change, fused_on_cpu):
     x = torch.rand(8, IN)
     with traced_epifuse_ops() as ran:
         y = new(x)
-    assert ran == [] and torch.equal(y, ref(x))
+    assert "fused_head" in ran and "affine_softmax" not in ran, ran
+    assert rel_err(y, ref(x)) < 1e-6
     assert log == ([1, 1] if change == "hook" else [])

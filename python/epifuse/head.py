@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed, fold, ops
 from .fused_head import fused_head
@@ -283,7 +284,9 @@ def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
     group = distributed.sync_group(module)
     parts = _parts(module)
     if _reason(parts, x) is not None:
-        return reference(module, x) if group is None else _synced_reference(module, x, spec, group)
+        if group is None or not isinstance(parts.bn, _BatchNorm):
+            return reference(module, x)  # (no batch statistics to synchronize without a BatchNorm)
+        return _synced_reference(module, x, spec, group)
     bn = parts.bn
     # BatchNorm's rule: running statistics are updated in training only while track_running_stats
     # is set (a flag people clear on a trained BatchNorm to freeze its statistics; the buffers stay).
@@ -327,18 +330,42 @@ def _differentiable_forward(x: Tensor, parts: _Parts, config: HeadConfig,
 
 
 def _synced_reference(module: nn.Module, x: Tensor, spec: HeadConfig, group) -> Tensor:
-    """The head in plain PyTorch ops with a synchronized BatchNorm (any device, any batch)."""
+    """The head in PyTorch ops with a synchronized BatchNorm (any device, any batch).
+
+    The Linear and the BatchNorm are called as modules, so their hooks run (and a Linear subclass
+    computes its own forward); the BatchNorm's call computes nn.SyncBatchNorm's math instead of
+    its own forward, which a subclass cannot keep: that is refused.
+    """
     gemm, bn = module.gemm, module.bn
+    if not computes_as_batch_norm(bn):
+        raise RuntimeError(f"epifuse: synchronized batch statistics take an nn.BatchNorm1d or "
+                           f"nn.SyncBatchNorm computing as one; {type(bn).__name__} has a forward "
+                           f"of its own")
     tracking = bn.track_running_stats
 
-    def batch_norm(u, gamma, beta):
+    def synced(u):
         return distributed.synced_batch_norm(
-            u, gamma, beta, bn.running_mean if tracking else None,
+            u, bn.weight, bn.bias, bn.running_mean if tracking else None,
             bn.running_var if tracking else None, bn.num_batches_tracked if tracking else None,
             bn.momentum, bn.eps, group)
 
     return reference_head(x, gemm.weight, gemm.bias, bn.weight, bn.bias, module.scale, None, None,
-                          spec._replace(training=True, eps=bn.eps), batch_norm=batch_norm)
+                          spec._replace(training=True, eps=bn.eps),
+                          batch_norm=lambda u, gamma, beta: _call_computing(bn, synced, u),
+                          linear=gemm)
+
+
+def _call_computing(module: nn.Module, forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """``module(x)`` with its hooks, computing ``forward(x)`` in place of its own forward."""
+    own = module.__dict__.get("forward", _MISSING)
+    module.forward = forward
+    try:
+        return module(x)
+    finally:
+        if own is _MISSING:
+            del module.forward
+        else:
+            module.forward = own
 
 
 # --------------------------------------------------------------------------- fused forward
@@ -387,17 +414,19 @@ def _fused_forward(x: Tensor, parts: _Parts, config: HeadConfig,
 def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_var,
                    config: HeadConfig,
                    batch_norm: Optional[Callable[[Tensor, Optional[Tensor], Optional[Tensor]],
-                                                 Tensor]] = None) -> Tensor:
+                                                 Tensor]] = None,
+                   linear: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
     """The head's math in plain PyTorch ops, without touching running statistics.
 
     Of ``config`` it reads where the scale sits, the activation (after the scale, before the
     softmax), the softmax, ``training`` and ``eps``.
 
     ``batch_norm(u, gamma, beta)``, if given, replaces the training-mode
-    BatchNorm (the synchronized reference path passes nn.SyncBatchNorm's).
+    BatchNorm (the synchronized reference path passes nn.SyncBatchNorm's), and ``linear(x)``
+    the Linear (that path passes the module).
     """
     training, eps = config.training, config.eps
-    y = F.linear(x, weight, bias)
+    y = F.linear(x, weight, bias) if linear is None else linear(x)
     if config.scale_before_bn:
         y = y * scale
     if training and batch_norm is not None:

@@ -129,13 +129,19 @@ def head_reference(module: nn.Module, x: Tensor) -> Tensor:
     ``run_head`` takes it for inputs the fused kernels do not cover, so the
     results and error messages are those of the modules themselves.
     """
+    return module.activation_and_softmax(head_body_reference(module, x))
+
+
+def head_body_reference(module: nn.Module, x: Tensor) -> Tensor:
+    """``head_reference`` up to the scale: Linear, BatchNorm and the scale, without the activation
+    and the softmax."""
     y = module.gemm(x)
     if module.has_scale and module.scale_position == "before_bn":
         y = y * module.scale
     y = module.bn(y)
     if module.has_scale and module.scale_position == "after_bn":
         y = y * module.scale
-    return module.activation_and_softmax(y)
+    return y
 
 
 class HeadModule(NotScriptable, nn.Module):

@@ -18,6 +18,9 @@ batches, on both paths:
   fused      float32 input: gemm_colstats -> merge -> fold (on CPU through the
              ops' CPU kernels, with head's device check bypassed as in the
              ``fused_on_cpu`` test fixture; on a supported GPU the CUDA kernels)
+  hooked     float32 input, with hooks on the Linear and the BatchNorm and (problem 84) the
+             softmax module changed to an equal one: the synchronized path that calls the
+             modules (their hooks run once per step), then the softmax module
 
 Exit status 0 when every rank passed; failures are printed tagged with the rank.
 """
@@ -56,7 +59,7 @@ CASES = [
     (84, (1,), (7, 12), 0.1, True),
     (39, (OUT,), (9, 5), 0.1, True),
 ]
-TOL = {"reference": 1e-10, "fused": 2e-5}
+TOL = {"reference": 1e-10, "fused": 2e-5, "hooked": 2e-5}
 
 
 def rank_params(base, rank, distinct):
@@ -136,6 +139,12 @@ def check_case(number, scale, sizes, momentum, distinct, path, device, rank, fai
             new.get_parameter(name).copy_(value)
     epifuse.convert_sync_batchnorm(new)
     new.to(device=device, dtype=dtype).train()
+    calls = []
+    if path == "hooked":
+        new.gemm.register_forward_pre_hook(lambda *args: calls.append("gemm"))
+        new.bn.register_forward_hook(lambda *args: calls.append("bn"))
+        if number == 84:
+            new.softmax = torch.nn.Softmax(dim=-1)  # not Model's module: it runs after the head
     buffers = {k: state[k] for k in (*BUFFERS, "bn.num_batches_tracked")}
     gen = torch.Generator().manual_seed(11)
 
@@ -164,6 +173,8 @@ def check_case(number, scale, sizes, momentum, distinct, path, device, rank, fai
                    floor if name in vanishing_grads(number) else 0.0)
         for name in BUFFERS:
             expect(f"step {step} {name}", new.get_buffer(name), buffers[name])
+        if path == "hooked" and calls != ["gemm", "bn"] * (step + 1):
+            failures.append(f"{tag}: step {step}: the hooks ran {calls}")
         nbt = int(new.bn.num_batches_tracked)
         if nbt != buffers["bn.num_batches_tracked"]:
             failures.append(f"{tag}: num_batches_tracked {nbt} != "
@@ -199,7 +210,7 @@ def main() -> int:
     rank = dist.get_rank()
     failures = Failures()
     for case in CASES:
-        for path in ("reference", "fused"):
+        for path in ("reference", "fused", "hooked"):
             try:
                 check_case(*case, path, device, rank, failures)
             except Exception:
@@ -213,7 +224,7 @@ def main() -> int:
     dist.all_reduce(status)
     if rank == 0:
         print(f"[oracle_check] {'PASS' if status.item() == 0 else 'FAIL'}: "
-              f"{len(CASES) * 2} cases x {STEPS} steps on {dist.get_world_size()} ranks, "
+              f"{len(CASES) * 3} cases x {STEPS} steps on {dist.get_world_size()} ranks, "
               f"{int(status.item())} failure(s)", flush=True)
     dist.destroy_process_group()
     return 0 if status.item() == 0 else 1

@@ -15,8 +15,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ..head import apply_activation, has_module_hooks
-from ..nn import DEFAULT_NEGATIVE_SLOPE, HeadModule, activation_of_module, head_reference
+from ..head import apply_activation, has_module_hooks, run_head
+from ..nn import DEFAULT_NEGATIVE_SLOPE, HeadModule, activation_of_module, head_body_reference
 
 
 class Slot(NamedTuple):
@@ -81,7 +81,10 @@ class FusedChain(HeadModule):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._modules_changed():
-            return head_reference(self, x)
+            # The head up to the scale as always (fused, or synchronized), then the model's own
+            # activation and softmax modules as they are now.
+            body = self._spec._replace(activation="", softmax=False)
+            return self.activation_and_softmax(run_head(self, x, body, head_body_reference))
         return super().forward(x)
 
     def _modules_changed(self) -> bool:

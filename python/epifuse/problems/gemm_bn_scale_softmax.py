@@ -55,13 +55,22 @@ class ModelNew(NotScriptable, Model):
 
     def forward(self, x):
         if _softmax_changed(self.softmax):
-            return Model.forward(self, x)
+            # The head up to the scale as always (fused, or synchronized), then the module as it is.
+            return self.softmax(run_head(self, x, _BODY_SPEC, _body))
         return run_head(self, x, _SPEC, Model.forward)
+
+
+_BODY_SPEC = HeadSpec(scale_before_bn=False, softmax=False)
+
+
+def _body(model, x):
+    """Model.forward up to the scale."""
+    return model.scale * model.bn(model.gemm(x))
 
 
 def _softmax_changed(softmax) -> bool:
     """Model's softmax module made into something else since (another dim or module, hooks): the
-    fused head computes nn.Softmax(dim=1), so Model.forward runs instead."""
+    fused head computes nn.Softmax(dim=1), so that module runs after the rest of the head."""
     return type(softmax) is not nn.Softmax or softmax.dim != 1 or has_module_hooks(softmax)
 
 

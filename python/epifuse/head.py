@@ -119,6 +119,12 @@ def has_module_hooks(module: nn.Module) -> bool:
                 or d["_backward_hooks"] or any(_GLOBAL_HOOKS))
 
 
+def softmax_module_changed(module: nn.Module, dim: int) -> bool:
+    """Whether a softmax module a head took in (its math computed by the head) is now something
+    else: not an nn.Softmax over ``dim``, or one with hooks, which only its call runs."""
+    return type(module) is not nn.Softmax or module.dim != dim or has_module_hooks(module)
+
+
 def _device_reason(x: Tensor) -> Optional[str]:
     """Why x's device cannot run the fused kernels (None: it can)."""
     if not x.is_cuda:
@@ -205,9 +211,9 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
     if reason is not None:
         return reason
     gemm, bn, scale = parts.gemm, parts.bn, parts.scale
-    if not computes_as_linear(gemm):
-        return f"gemm is a {type(gemm).__name__}, not an nn.Linear with nn.Linear's forward"
-    if not computes_as_batch_norm(bn):
+    if parts.weight is None:  # _parts found modules the head does not compute, and read no more
+        if not computes_as_linear(gemm):
+            return f"gemm is a {type(gemm).__name__}, not an nn.Linear with nn.Linear's forward"
         return (f"bn is a {type(bn).__name__}, not an nn.BatchNorm1d / nn.SyncBatchNorm with its "
                 f"forward")
     if has_module_hooks(gemm) or has_module_hooks(bn):
@@ -339,8 +345,7 @@ def _synced_reference(module: nn.Module, x: Tensor, spec: HeadConfig, group) -> 
     gemm, bn = module.gemm, module.bn
     if not computes_as_batch_norm(bn):
         raise RuntimeError(f"epifuse: synchronized batch statistics take an nn.BatchNorm1d or "
-                           f"nn.SyncBatchNorm computing as one; {type(bn).__name__} has a forward "
-                           f"of its own")
+                           f"nn.SyncBatchNorm that keeps its forward, got {type(bn).__name__}")
     tracking = bn.track_running_stats
 
     def synced(u):

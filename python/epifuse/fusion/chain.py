@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ..head import apply_activation, has_module_hooks, run_head
+from ..head import apply_activation, has_module_hooks, run_head, softmax_module_changed
 from ..nn import DEFAULT_NEGATIVE_SLOPE, HeadModule, activation_of_module, head_body_reference
 
 
@@ -96,12 +96,8 @@ class FusedChain(HeadModule):
             if (activation_of_module(module) != (self.activation, self.negative_slope)
                     or has_module_hooks(module)):
                 return True
-        if self._softmax_slot is not None:
-            module = self._softmax_slot.get()
-            if (type(module) is not nn.Softmax or module.dim != self.softmax_dim
-                    or has_module_hooks(module)):
-                return True
-        return False
+        return (self._softmax_slot is not None
+                and softmax_module_changed(self._softmax_slot.get(), self.softmax_dim))
 
     def activation_and_softmax(self, y: Tensor) -> Tensor:
         """The unfused tail: the model's own activation and softmax modules where it has them."""

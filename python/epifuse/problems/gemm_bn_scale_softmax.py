@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from epifuse.distributed import configure_sync_batchnorm
-from epifuse.head import HeadSpec, has_module_hooks, run_head
+from epifuse.head import HeadSpec, run_head, softmax_module_changed
 from epifuse.precision import validate_precision
 from epifuse.scripting import NotScriptable
 
@@ -54,8 +54,9 @@ class ModelNew(NotScriptable, Model):
         configure_sync_batchnorm(self, sync_batchnorm, process_group)
 
     def forward(self, x):
-        if _softmax_changed(self.softmax):
-            # The head up to the scale as always (fused, or synchronized), then the module as it is.
+        if softmax_module_changed(self.softmax, 1):
+            # Model's nn.Softmax(dim=1) made into something else since (another dim or module,
+            # hooks): the head up to the scale as always (fused, or synchronized), then the module.
             return self.softmax(run_head(self, x, _BODY_SPEC, _body))
         return run_head(self, x, _SPEC, Model.forward)
 
@@ -66,12 +67,6 @@ _BODY_SPEC = HeadSpec(scale_before_bn=False, softmax=False)
 def _body(model, x):
     """Model.forward up to the scale."""
     return model.scale * model.bn(model.gemm(x))
-
-
-def _softmax_changed(softmax) -> bool:
-    """Model's softmax module made into something else since (another dim or module, hooks): the
-    fused head computes nn.Softmax(dim=1), so that module runs after the rest of the head."""
-    return type(softmax) is not nn.Softmax or softmax.dim != 1 or has_module_hooks(softmax)
 
 
 batch_size = 1024

@@ -645,6 +645,36 @@ def test_pass_and_backward_ops_bad_arguments(op_name, dtype_id, name, index, val
 
 
 @ON_BOTH_DEVICES
+@pytest.mark.parametrize("op_name", ["affine_", "affine_softmax_"])
+@pytest.mark.parametrize("alias", ["a-row-of-z", "c-row-of-z", "a-overlapping-z-tail", "a-is-z"])
+def test_inplace_passes_refuse_a_or_c_sharing_memory_with_z(op_name, alias, device, request):
+    """a or c inside z's memory: the CUDA pass would read them while writing z (a race); both
+    devices refuse as PyTorch's in-place ops do, z untouched. Separate memory is accepted."""
+    if device == "cuda":
+        request.getfixturevalue("healthy_cuda")
+    base = torch.rand(6 * 8 + 4, device=device)
+    z = base[: 6 * 8].view(6, 8)
+    a, c = torch.rand(8, device=device) + 0.5, torch.rand(8, device=device)
+    name = alias[0]
+    if alias == "a-row-of-z":
+        a = z[2]
+    elif alias == "c-row-of-z":
+        c = z[5]
+    elif alias == "a-overlapping-z-tail":
+        a = base[6 * 8 - 4: 6 * 8 + 4]
+    else:  # one row: a is z's memory exactly
+        z, a = base[:8].view(1, 8), base[:8]
+    before = z.clone()
+    with pytest.raises(RuntimeError, match=rf"epifuse::{op_name}: unsupported operation: {name} "
+                                           rf"and the written-to z share memory"):
+        getattr(ops, op_name)(z, a, c)
+    assert torch.equal(z, before)
+    # the same values in memory of their own run
+    getattr(ops, op_name)(z, a.clone(), c.clone())
+    assert not torch.equal(z, before)
+
+
+@ON_BOTH_DEVICES
 def test_backward_matmul_fp32_out_rejects_a_non_kernel_dtype(device, request):
     """int16 operands have 16-bit elements too: refused by dtype, not passed to a GEMM."""
     if device == "cuda":

@@ -1,9 +1,9 @@
 // out[m, n] = act(a[n] * in[m, n] + c[n]), in place (in == out) or into a new tensor: the
 // training-mode epilogue of a head without softmax (with its activation, activation.cuh), applied
 // once the batch statistics (and so a, c) are known (out of place when the backward keeps z). One
-// read and one write per element, 16-byte vectors when the rows allow it. The output may be wider
-// than the input (a 16-bit z written as the fp32 output of a head under autocast): a thread then
-// moves the input's 16 bytes and as many output elements.
+// read and one write per element, vectors when the rows allow it. The output may be wider than the
+// input (a 16-bit z written as the fp32 output of a head under autocast): a thread then stores 16
+// bytes of the output and reads 8 of the input (kStoreVec, cuda_utils.cuh, says why).
 // Each thread owns one vector of columns for a band of rows: it loads its kVec (a, c) pairs once
 // and then streams the band with kUnroll loads in flight, so the pass is bound by DRAM bandwidth
 // rather than by per-element parameter loads or index arithmetic.
@@ -112,11 +112,11 @@ void column_affine_into(DType in_dtype, int64_t M, int64_t N, const void* in, in
   dispatch_in_out(in_dtype, out_dtype, [&](auto in_tag, auto out_tag) {
     using T = decltype(in_tag);
     using O = decltype(out_tag);
-    constexpr int kVec = kNarrowVec<T, O>;
+    constexpr int kVec = kStoreVec<T, O>;
     const T* src = static_cast<const T*>(in);
     O* dst = static_cast<O*>(out);
-    if (N % kVec == 0 && ld_in % kVec == 0 && ld_out % kVec == 0 && is_aligned16(in) &&
-        is_aligned16(out)) {
+    if (N % kVec == 0 && ld_in % kVec == 0 && ld_out % kVec == 0 &&
+        is_aligned(in, sizeof(Vec<T, kVec>)) && is_aligned16(out)) {
       launch<T, O, kVec>(M, N, src, ld_in, dst, ld_out, a, c, act, stream);
     } else {
       launch<T, O, 1>(M, N, src, ld_in, dst, ld_out, a, c, act, stream);

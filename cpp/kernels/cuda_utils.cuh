@@ -80,23 +80,32 @@ void dispatch_dtype(DType dtype, Fn&& fn) {
   throw std::runtime_error("epifuse: unknown dtype");
 }
 
-// kN consecutive elements of T, 16-byte aligned: the unit of the row passes' global memory
-// accesses. Vec16<T> is one 16-byte access; a pass whose input and output types differ (a 16-bit z
-// read, an fp32 output written under autocast) moves the narrow type's 16 bytes and the same number
-// of wide elements, i.e. several 16-byte accesses of the wide type.
+// kN consecutive elements of T, aligned to their size up to 16 bytes: the unit of the row passes'
+// global memory accesses. Vec16<T> is one 16-byte access; a pass whose input and output types
+// differ (a 16-bit z read, an fp32 output written under autocast) moves a vector of each type with
+// the same number of elements: 8 or 16 bytes of one, 16 or 32 of the other.
 template <class T, int kN = int(16 / sizeof(T))>
-struct alignas(16) Vec {
-  static_assert(kN * sizeof(T) % 16 == 0, "whole 16-byte accesses");
+struct alignas(kN * sizeof(T) < 16 ? kN * sizeof(T) : 16) Vec {
+  static_assert(kN * sizeof(T) % 16 == 0 || 16 % (kN * sizeof(T)) == 0,
+                "whole 16-byte accesses, or one access of a power-of-two size below 16 bytes");
   static constexpr int kSize = kN;
   T v[kN];
 };
 template <class T>
 using Vec16 = Vec<T>;
 
-// Elements per 16 bytes of the narrower of two types: the vector width of a pass reading (or
-// writing) both.
+// Elements per 16 bytes of the narrower of two types: the vector width of a pass that reads both
+// (each thread's reads of the wider type are then several 16-byte loads, which cost nothing extra).
 template <class A, class B>
 constexpr int kNarrowVec = Vec16<A>::kSize > Vec16<B>::kSize ? Vec16<A>::kSize : Vec16<B>::kSize;
+
+// Elements per 16 bytes of the output: the vector width of a pass that writes Out, so that each
+// thread stores one whole 16-byte vector and a warp's store is 512 contiguous bytes. Two 16-byte
+// stores per thread (8 bf16 read, 8 floats written) leave every 32-byte sector half written by
+// each store instruction: the widening pass then ran at 2.3-2.6 TB/s on an H200 against 3.8-4.2
+// with one store per thread (BENCHMARKS.md, "Widening passes"); reads show no such loss.
+template <class In, class Out>
+constexpr int kStoreVec = Vec16<Out>::kSize;
 
 // Calls fn(In{}, Out{}) for the pairs the row passes take: one dtype throughout, or a 16-bit input
 // with an fp32 output (autocast: z in the GEMM's 16-bit dtype, the head's output in fp32).
@@ -109,6 +118,9 @@ void dispatch_in_out(DType in, DType out, Fn&& fn) {
 }
 
 inline bool is_aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+inline bool is_aligned(const void* p, size_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
 
 inline int current_device() {
   int device = 0;

@@ -131,9 +131,8 @@ void run_fp16_product(const Fp16Product& p, void* workspace, int device, int sm_
                       cudaStream_t stream) {
   with_layout(p, [&](auto k) {
     using K = decltype(k);
-    typename K::Gemm gemm;
-    cutlass::Status status = gemm.initialize(K::arguments(p, device, sm_count), workspace, stream);
-    if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+    const cutlass::Status status = launch_kernel<typename K::Kernel>(
+        K::arguments(p, device, sm_count), workspace, device, stream);
     if (status != cutlass::Status::kSuccess)
       throw std::runtime_error(std::string("epifuse: the fp16 product GEMM failed: ") +
                                cutlassGetStatusString(status) + " (" +

@@ -63,6 +63,41 @@ using Split3xTf32Mainloop = cutlass::gemm::collective::CollectiveMma<
 // EPIFUSE_3XTF32_PROMOTION (>= 1) to measure others (gemm_dispatch.cu reads it once).
 uint32_t split3xtf32_promotion_interval();
 
+// GemmUniversalAdapter::initialize() raises the kernel's dynamic shared-memory limit with
+// cudaFuncSetAttribute on every call: ~7 us of host time per GEMM on the H100 machine, where a
+// training step in 16 bits is partly host-bound. The attribute belongs to the kernel on one device,
+// so it is set once per device (the caller made `device` current).
+template <class Kernel>
+cutlass::Status allow_shared_storage(int device) {
+  constexpr int kSmem = int(Kernel::SharedStorageSize);
+  if constexpr (kSmem < (48 << 10)) {
+    return cutlass::Status::kSuccess;
+  } else {
+    static std::array<bool, 128> done{};  // benign race: every writer stores true
+    const bool cached = device >= 0 && device < int(done.size());
+    if (cached && done[device]) return cutlass::Status::kSuccess;
+    if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) {
+      (void)cudaGetLastError();  // clear it: the caller reports the failure
+      return cutlass::Status::kErrorInternal;
+    }
+    if (cached) done[device] = true;
+    return cutlass::Status::kSuccess;
+  }
+}
+
+// GemmUniversalAdapter::initialize() without its per-call cudaFuncSetAttribute (see
+// allow_shared_storage), then the adapter's static launch: what every Hopper GEMM here runs through.
+template <class Kernel>
+cutlass::Status launch_kernel(const typename Kernel::Arguments& args, void* workspace, int device,
+                              cudaStream_t stream) {
+  cutlass::Status status = Kernel::initialize_workspace(args, workspace, stream);
+  if (status == cutlass::Status::kSuccess) status = allow_shared_storage<Kernel>(device);
+  if (status != cutlass::Status::kSuccess) return status;
+  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
+  return cutlass::gemm::device::GemmUniversalAdapter<Kernel>::run(params, stream);
+}
+
 // Fusion is an EVT from epilogues.hpp, instantiated for Config's tile shape and output type.
 template <class Config, class Fusion_>
 struct GemmKernel {
@@ -148,28 +183,6 @@ struct GemmKernel {
     return Gemm::get_workspace_size(make_arguments(p, {}, device, sm_count));
   }
 
-  // GemmUniversalAdapter::initialize() raises the kernel's dynamic shared-memory limit with
-  // cudaFuncSetAttribute on every call: ~7 us of host time per GEMM on the H100 machine, where a
-  // training step of problem 84 in 16 bits is partly host-bound. The attribute belongs to the
-  // kernel on one device, so it is set once per device (the caller made `device` current).
-  static cutlass::Status allow_shared_storage(int device) {
-    constexpr int kSmem = int(Kernel::SharedStorageSize);
-    if constexpr (kSmem < (48 << 10)) {
-      return cutlass::Status::kSuccess;
-    } else {
-      static std::array<bool, 128> done{};  // benign race: every writer stores true
-      const bool cached = device >= 0 && device < int(done.size());
-      if (cached && done[device]) return cutlass::Status::kSuccess;
-      if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) != cudaSuccess) {
-        (void)cudaGetLastError();  // clear it: the caller reports the failure
-        return cutlass::Status::kErrorInternal;
-      }
-      if (cached) done[device] = true;
-      return cutlass::Status::kSuccess;
-    }
-  }
-
   static void run(const GemmProblem& p, typename Fusion::Arguments fusion_args, void* workspace,
                   int device, int sm_count, cudaStream_t stream) {
     Arguments args = make_arguments(p, fusion_args, device, sm_count);
@@ -177,14 +190,7 @@ struct GemmKernel {
     if (status != cutlass::Status::kSuccess)
       throw std::runtime_error(std::string("epifuse: CUTLASS cannot implement this GEMM: ") +
                                cutlassGetStatusString(status));
-    // GemmUniversalAdapter::initialize() without its per-call cudaFuncSetAttribute (see
-    // allow_shared_storage), then the adapter's static launch.
-    status = Kernel::initialize_workspace(args, workspace, stream);
-    if (status == cutlass::Status::kSuccess) status = allow_shared_storage(device);
-    if (status == cutlass::Status::kSuccess) {
-      typename Gemm::Params params = Kernel::to_underlying_arguments(args, workspace);
-      status = Gemm::run(params, stream);
-    }
+    status = launch_kernel<Kernel>(args, workspace, device, stream);
     if (status != cutlass::Status::kSuccess)
       throw std::runtime_error(std::string("epifuse: CUTLASS GEMM launch failed: ") +
                                cutlassGetStatusString(status) + " (" +

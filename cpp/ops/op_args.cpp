@@ -125,4 +125,26 @@ void check_sums(const at::Tensor& t, const char* name, int64_t numel, const at::
                 "] tensor, got ", t.scalar_type(), " ", t.sizes());
 }
 
+namespace {
+// [first, last) bytes a strided tensor's elements lie in (empty: {0, 0}).
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const auto first = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return {first, first + uintptr_t(extent) * t.element_size()};
+}
+}  // namespace
+
+void check_written_apart(const at::Tensor& written, const std::optional<at::Tensor>& read,
+                         const char* op, const char* written_name, const char* read_name) {
+  if (!read.has_value() || !read->defined()) return;
+  const auto [w0, w1] = byte_span(written);
+  const auto [r0, r1] = byte_span(*read);
+  EPIFUSE_CHECK(w0 == w1 || r0 == r1 || r1 <= w0 || w1 <= r0, "epifuse::", op,
+                ": unsupported operation: ", read_name, " and the written-to ", written_name,
+                " share memory (some elements refer to a single memory location). Please clone() ",
+                read_name, " before performing the operation.");
+}
+
 }  // namespace epifuse

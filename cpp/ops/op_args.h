@@ -73,6 +73,12 @@ FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor
 // The fold's outputs (a, c: float32 [N] on gamma's device), bound into f.
 std::tuple<at::Tensor, at::Tensor> fold_outputs(const at::Tensor& gamma, FoldProblem& f);
 
+// An in-place op's input `read_name` shares no memory with the tensor it writes: a kernel reading
+// a or c while writing z would race. PyTorch's in-place ops refuse the same
+// (at::assert_no_partial_overlap); here any byte both spans hold counts, a full overlap included.
+void check_written_apart(const at::Tensor& written, const std::optional<at::Tensor>& read,
+                         const char* op, const char* written_name, const char* read_name);
+
 // t is a contiguous float64 [numel] tensor on ref's device (column sums, moments, rows of sums).
 void check_sums(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& ref,
                 const char* op);

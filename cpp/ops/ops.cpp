@@ -429,6 +429,8 @@ void affine_softmax_inplace_cuda(const at::Tensor& z, const std::optional<at::Te
   const auto guard = guard_for(z, op, "z");
   const Activation act = activation_from_name(activation, negative_slope, op);
   const AffinePair ac = optional_affine(z, a, c, op);
+  check_written_apart(z, a, op, "z", "a");
+  check_written_apart(z, c, op, "z", "c");
   if (z.numel() == 0) return;
   if (z.stride(1) == 1 && z.stride(0) >= z.size(1)) {
     softmax_into(z, z, ac, act);
@@ -448,6 +450,8 @@ void affine_inplace_cuda(const at::Tensor& z, const std::optional<at::Tensor>& a
   const auto guard = guard_for(z, op, "z");
   const Activation act = activation_from_name(activation, negative_slope, op);
   const AffinePair ac = optional_affine(z, a, c, op);
+  check_written_apart(z, a, op, "z", "a");
+  check_written_apart(z, c, op, "z", "c");
   if (z.numel() == 0) return;
   auto in_place = [&](const at::Tensor& t) {
     column_affine_into(to_dtype(t, op), t.size(0), t.size(1), t.data_ptr(), t.stride(0),

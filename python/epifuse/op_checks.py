@@ -106,6 +106,27 @@ def check_optional_affine(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], o
         check_column_vector(c, z.shape[1], op, "c")
 
 
+def _byte_span(t: Tensor) -> tuple[int, int]:
+    """[first, last) bytes a strided tensor's elements lie in ((0, 0) when empty)."""
+    if t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def check_written_apart(written: Tensor, read: Optional[Tensor], op: str, written_name: str,
+                        read_name: str) -> None:
+    """An in-place op's input shares no memory with the tensor it writes (op_args.h says why)."""
+    if read is None:
+        return
+    (w0, w1), (r0, r1) = _byte_span(written), _byte_span(read)
+    if w0 != w1 and r0 != r1 and r1 > w0 and w1 > r0:
+        raise RuntimeError(
+            f"epifuse::{op}: unsupported operation: {read_name} and the written-to {written_name} "
+            f"share memory (some elements refer to a single memory location). Please clone() "
+            f"{read_name} before performing the operation.")
+
+
 def check_grad_operands(grad: Tensor, out: Optional[Tensor], rowdot: Optional[Tensor], z: Tensor,
                         op: str) -> None:
     """prepare_grad: the [M, N] operands of a backward pass. grad and out share one dtype, z's

@@ -328,7 +328,15 @@ def _affine_softmax_cpu(z, a, c, *, activation=_D.activation, negative_slope=_D.
 @torch.library.register_kernel("epifuse::affine_softmax_", "cpu")
 def _affine_softmax_inplace_cpu(z, a, c, *, activation=_D.activation,
                                 negative_slope=_D.negative_slope):
-    z.copy_(_affine_softmax64(z, a, c, "affine_softmax_", activation, negative_slope))
+    y = _affine_softmax64(z, a, c, "affine_softmax_", activation, negative_slope)
+    _check_read_apart_from_z(z, a, c, "affine_softmax_")
+    z.copy_(y)
+
+
+def _check_read_apart_from_z(z, a, c, op):
+    """An in-place pass's a and c share no memory with z (the CUDA kernel would race)."""
+    _checks.check_written_apart(z, a, op, "z", "a")
+    _checks.check_written_apart(z, c, op, "z", "c")
 
 
 @torch.library.register_kernel("epifuse::affine_", "cpu")
@@ -336,6 +344,7 @@ def _affine_inplace_cpu(z, a, c, *, activation=_D.activation, negative_slope=_D.
     _checks.check_matrix(z, "affine_")
     fold.check_activation(activation, "affine_")
     _checks.check_optional_affine(z, a, c, "affine_")
+    _check_read_apart_from_z(z, a, c, "affine_")
     z.copy_(fold.activate(_affine64(z, a, c), activation, negative_slope))
 
 

@@ -94,7 +94,7 @@ cutlass::Status launch_kernel(const typename Kernel::Arguments& args, void* work
   cutlass::Status status = Kernel::initialize_workspace(args, workspace, stream);
   if (status == cutlass::Status::kSuccess) status = allow_shared_storage<Kernel>(device);
   if (status != cutlass::Status::kSuccess) return status;
-  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
+  typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
   return cutlass::gemm::device::GemmUniversalAdapter<Kernel>::run(params, stream);
 }
 

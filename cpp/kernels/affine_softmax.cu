@@ -103,9 +103,8 @@ __device__ __forceinline__ void load_affine(const T* src, int64_t col0, const fl
   }
 }
 
-// Stores this thread's kVec outputs e * inv_sum at dst, one vector store (two for 8 floats).
 template <class T, int kVec>
-__device__ __forceinline__ void store_scaled_alone(T* dst, const float* e, float inv_sum) {
+__device__ __forceinline__ void store_scaled(T* dst, const float* e, float inv_sum) {
   if constexpr (kVec > 1) {
     Vec<T, kVec> res;
 #pragma unroll
@@ -113,38 +112,6 @@ __device__ __forceinline__ void store_scaled_alone(T* dst, const float* e, float
     *reinterpret_cast<Vec<T, kVec>*>(dst) = res;
   } else {
     *dst = from_float<T>(e[0] * inv_sum);
-  }
-}
-
-// Stores this thread's kVec outputs e * inv_sum at dst where `valid`. Every lane of the warp calls
-// it, and lanes l and l ^ 1 own adjacent chunks of one row (dst 8 elements apart).
-// A 32-byte chunk (8 floats written from a 16-bit z: the fp32 output under autocast) as two 16-byte
-// stores of its own would half-fill every 32-byte sector with each store instruction, which ran the
-// widening passes at ~60% of the bandwidth (kStoreVec, cuda_utils.cuh); instead each lane pair swaps
-// halves so that the first store instruction writes the even lanes' chunks whole and the second the
-// odd lanes' chunks. Both stores are predicated, not branched, so each stays one warp instruction.
-template <class T, int kVec>
-__device__ __forceinline__ void store_scaled(T* dst, bool valid, const float* e, float inv_sum) {
-  if constexpr (std::is_same_v<T, float> && kVec == 8) {
-    const bool odd = threadIdx.x & 1;
-    const float4 lo = make_float4(e[0] * inv_sum, e[1] * inv_sum, e[2] * inv_sum, e[3] * inv_sum);
-    const float4 hi = make_float4(e[4] * inv_sum, e[5] * inv_sum, e[6] * inv_sum, e[7] * inv_sum);
-    const float4 give = odd ? lo : hi;  // the half the partner stores
-    float4 got;
-    got.x = __shfl_xor_sync(0xffffffffu, give.x, 1);
-    got.y = __shfl_xor_sync(0xffffffffu, give.y, 1);
-    got.z = __shfl_xor_sync(0xffffffffu, give.z, 1);
-    got.w = __shfl_xor_sync(0xffffffffu, give.w, 1);
-    const bool partner_valid = __shfl_xor_sync(0xffffffffu, int(valid), 1) != 0;
-    float4* d = reinterpret_cast<float4*>(dst);
-    // The even lane's chunk: its lo at d[0] (even lane), its hi at d[-1] (odd lane, from `got`).
-    float4* const first = odd ? d - 1 : d;
-    if (odd ? partner_valid : valid) *first = odd ? got : lo;
-    // The odd lane's chunk: its lo at d[2] (even lane, from `got`), its hi at d[1] (odd lane).
-    float4* const second = odd ? d + 1 : d + 2;
-    if (odd ? valid : partner_valid) *second = odd ? hi : got;
-  } else if (valid) {
-    store_scaled_alone<T, kVec>(dst, e, inv_sum);
   }
 }
 
@@ -203,12 +170,11 @@ rows_in_registers(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int6
                                                          warp_in_row);
   const float inv_sum = 1.f / row_sum;
 
-  // Every lane reaches the stores (store_scaled pairs lanes); invalid rows and columns store nothing.
+  if (!row_valid) return;
 #pragma unroll
   for (int i = 0; i < kVecsPerThread; ++i) {
     const int64_t col0 = (int64_t(i) * kThreadsPerRow + t) * kVec;
-    store_scaled<O, kVec>(out + (row_valid ? row : 0) * ld_out + col0, row_valid && col0 < N,
-                          vals + i * kVec, inv_sum);
+    if (col0 < N) store_scaled<O, kVec>(out + row * ld_out + col0, vals + i * kVec, inv_sum);
   }
 }
 
@@ -305,18 +271,17 @@ rows_staged(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld
     O* dst = out + row * ld_out;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      // Every lane reaches the store (store_scaled pairs lanes); columns past N store nothing.
-      const bool valid = col_of(i) < N;
+      if (col_of(i) >= N) continue;
       float e[kVec];
       if constexpr (kInRegisters) {
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) e[j] = valid ? cache[i * kVec + j] : 0.f;
+        for (int j = 0; j < kVec; ++j) e[j] = cache[i * kVec + j];
       } else {
-        if (valid) values(stage, i, e);
+        values(stage, i, e);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) e[j] = valid ? softmax_exp<O>(e[j] - row_max) : 0.f;
+        for (int j = 0; j < kVec; ++j) e[j] = softmax_exp<O>(e[j] - row_max);
       }
-      store_scaled<O, kVec>(dst + col_of(i), valid, e, inv_sum);
+      store_scaled<O, kVec>(dst + col_of(i), e, inv_sum);
     }
     // The two row_combine calls above reuse slots[0] / slots[1] on the next row; the barrier in the
     // sum's combine orders every warp's read of slots[0] before any warp's next write of it, and the
@@ -369,7 +334,7 @@ rows_looped(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, int64_t ld
     load_affine<T, kVec>(src + col0, col0, a, c, act, v);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[j] = softmax_exp<O>(v[j] - total.m);
-    store_scaled_alone<O, kVec>(dst + col0, v, inv_sum);  // lanes diverge at the row's end
+    store_scaled<O, kVec>(dst + col0, v, inv_sum);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 
 template <class T, int N = 16 / sizeof(T)> struct alignas(16) Vec { T v[N]; };
 struct alignas(8) B4 { __nv_bfloat16 v[4]; };
@@ -154,32 +155,24 @@ __global__ void fill(int64_t n4, float4* out) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n4; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = make_float4(1.f, 2.f, 3.f, 4.f);
 }
-// plain widening copy, linear, 4 elements a thread
-template <int kUnroll>
-__global__ void __launch_bounds__(256) widen4(int64_t n4, const B4* in, float4* out) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+// Plain widening copy, grid-stride: kElems = 4 elements a thread (one 16-byte store) or 8 (two
+// adjacent 16-byte stores, each store instruction half-filling the warp's sectors).
+template <int kElems, int kUnroll>
+__global__ void __launch_bounds__(256) widen(int64_t n, const __nv_bfloat16* in, float* out) {
+  using In = std::conditional_t<kElems == 4, B4, B8>;
+  const int64_t vecs = n / kElems, stride = int64_t(gridDim.x) * blockDim.x;
   int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + (kUnroll - 1) * stride < n4; i += kUnroll * stride) {
-    B4 v[kUnroll];
+  for (; i + (kUnroll - 1) * stride < vecs; i += kUnroll * stride) {
+    In v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = in[i + u * stride];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) out[i + u * stride] = make_float4(tf(v[u].v[0]), tf(v[u].v[1]), tf(v[u].v[2]), tf(v[u].v[3]));
-  }
-}
-// plain widening copy, linear, 8 elements a thread (two adjacent float4 stores, half sectors)
-template <int kUnroll>
-__global__ void __launch_bounds__(256) widen8(int64_t n8, const B8* in, float4* out) {
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + (kUnroll - 1) * stride < n8; i += kUnroll * stride) {
-    B8 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = in[i + u * stride];
+    for (int u = 0; u < kUnroll; ++u) v[u] = reinterpret_cast<const In*>(in)[i + u * stride];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      out[2 * (i + u * stride)] = make_float4(tf(v[u].v[0]), tf(v[u].v[1]), tf(v[u].v[2]), tf(v[u].v[3]));
-      out[2 * (i + u * stride) + 1] = make_float4(tf(v[u].v[4]), tf(v[u].v[5]), tf(v[u].v[6]), tf(v[u].v[7]));
+      float4* q = reinterpret_cast<float4*>(out + (i + u * stride) * kElems);
+#pragma unroll
+      for (int h = 0; h < kElems / 4; ++h)
+        q[h] = make_float4(tf(v[u].v[4 * h]), tf(v[u].v[4 * h + 1]), tf(v[u].v[4 * h + 2]),
+                           tf(v[u].v[4 * h + 3]));
     }
   }
 }
@@ -240,8 +233,8 @@ int main() {
   report("cudaMemset 268MB", timeit([&] { cudaMemsetAsync(out, 0, M * N * 4); }), M * N * 4.0);
   for (int bps : {8, 16, 32}) {
     char nm[64];
-    snprintf(nm, 64, "widen4 u4 %d blk/SM", bps); report(nm, timeit([&] { widen4<4><<<sms * bps, 256>>>(M * N / 4, reinterpret_cast<B4*>(z), reinterpret_cast<float4*>(out)); }), bytes);
-    snprintf(nm, 64, "widen8 u4 %d blk/SM", bps); report(nm, timeit([&] { widen8<4><<<sms * bps, 256>>>(M * N / 8, reinterpret_cast<B8*>(z), reinterpret_cast<float4*>(out)); }), bytes);
+    snprintf(nm, 64, "widen4 u4 %d blk/SM", bps); report(nm, timeit([&] { widen<4, 4><<<sms * bps, 256>>>(M * N, z, out); }), bytes);
+    snprintf(nm, 64, "widen8 u4 %d blk/SM", bps); report(nm, timeit([&] { widen<8, 4><<<sms * bps, 256>>>(M * N, z, out); }), bytes);
   }
   for (int tps : {2048, 4096, 8192}) {
     for (int kind = 0; kind < 2; ++kind) {

@@ -100,10 +100,12 @@ template <class A, class B>
 constexpr int kNarrowVec = Vec16<A>::kSize > Vec16<B>::kSize ? Vec16<A>::kSize : Vec16<B>::kSize;
 
 // Elements per 16 bytes of the output: the vector width of a pass that writes Out, so that each
-// thread stores one whole 16-byte vector and a warp's store is 512 contiguous bytes. Two 16-byte
-// stores per thread (8 bf16 read, 8 floats written) leave every 32-byte sector half written by
-// each store instruction: the widening pass then ran at 2.3-2.6 TB/s on an H200 against 3.8-4.2
-// with one store per thread (BENCHMARKS.md, "Widening passes"); reads show no such loss.
+// thread stores one whole 16-byte vector and a warp's store instruction writes 512 contiguous
+// bytes, four whole 128-byte lines. Two 16-byte stores per thread (8 bf16 read, 8 floats written)
+// make each store instruction write half of every line it touches: the widening pass then ran at
+// 2.3-2.6 TB/s on an H200 against 3.8-4.2 with one store per thread; lane pairs that swap halves
+// so that each instruction writes whole 32-byte sectors but still half lines were slower again
+// (BENCHMARKS.md, "Widening passes"). Reads show no such loss.
 template <class In, class Out>
 constexpr int kStoreVec = Vec16<Out>::kSize;
 

@@ -145,13 +145,14 @@ def affine_softmax(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], *,
 def affine_softmax_(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], *,
                     activation: str = _D.activation,
                     negative_slope: float = _D.negative_slope) -> None:
-    """In-place ``z = softmax(act(a * z + c), dim=1)``."""
+    """In-place ``z = softmax(act(a * z + c), dim=1)``; a and c must not share memory with z."""
     _affine_softmax_inplace(z, a, c, activation=activation, negative_slope=negative_slope)
 
 
 def affine_(z: Tensor, a: Optional[Tensor], c: Optional[Tensor], *,
             activation: str = _D.activation, negative_slope: float = _D.negative_slope) -> None:
-    """In-place ``z = act(a * z + c)`` (a, c None: the activation alone)."""
+    """In-place ``z = act(a * z + c)`` (a, c None: the activation alone); a and c must not share
+    memory with z."""
     _affine_inplace(z, a, c, activation=activation, negative_slope=negative_slope)
 
 

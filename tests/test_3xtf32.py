@@ -202,6 +202,109 @@ def test_backward_matmul_transposed_views(precision, tol):
         assert _ran_split_gemm(lambda: ops.backward_matmul(dz.t(), x, precision))
 
 
+def _launches(fn, name: str) -> int:
+    """How many CUDA kernels whose name contains ``name`` fn() launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(name in e.name for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@hopper_only
+def test_large_weight_split_in_chunks():
+    """A weight whose 3xTF32 split exceeds 128 MiB is split and multiplied in chunks of its rows
+    (gemm_dispatch.cu, copy_chunk_rows): here 4352 rows of K = 8192 (272 MiB of split) in chunks
+    of 1536, 1536 and 1280 rows. Each chunk's columns get their own epilogue vectors and
+    statistics, and a non-finite row of x is repaired across all of them."""
+    m, k, n = 512, 8192, 4352
+    x, w = _operands(m, k, n, seed=11)
+    x[17, 5] = float("inf")
+    g = torch.Generator(device=CUDA).manual_seed(12)
+    a = torch.rand(n, device=CUDA, generator=g) + 0.5
+    c = torch.randn(n, device=CUDA, generator=g)
+    # x's split, then one split per chunk of w (the weight is written before each call, so that no
+    # kept split stands in for it).
+    w.add_(0.0)
+    assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_tf32") == 4
+    w.add_(0.0)
+    y = ops.gemm_affine(x, w, a, c, "3xtf32")
+    w.add_(0.0)
+    z, colsum, colsumsq = ops.gemm_colstats(x, w, "3xtf32")
+    ref = x.double() @ w.double().T
+    finite = torch.ones(m, dtype=torch.bool, device=CUDA)
+    finite[17] = False
+    expected_y = a.double() * ref + c.double()
+    assert rel_err(y[finite], expected_y[finite]) <= 1e-6
+    assert rel_err(z[finite], ref[finite]) <= 1e-6
+    sgemm = _sgemm(x, w)
+    assert torch.equal(torch.isinf(z[17]), torch.isinf(sgemm[17]))
+    assert torch.equal(torch.isnan(z[17]), torch.isnan(sgemm[17]))
+    zs = z[finite].double()
+    w.add_(0.0)
+    _, colsum_f, colsumsq_f = ops.gemm_colstats(x[finite].contiguous(), w, "3xtf32")
+    assert rel_err(colsum_f, zs.sum(0)) <= 1e-9
+    assert rel_err(colsumsq_f, (zs * zs).sum(0)) <= 1e-9
+    assert not torch.isfinite(colsum).any()  # the inf row reaches every column's sums
+
+
+@hopper_only
+def test_tall_x_split_in_chunks_of_rows():
+    """With the affine epilogue an x whose split exceeds 256 MiB is split in chunks of its rows
+    too (8448 rows of K = 8192: three chunks of 2816), each chunk multiplied by every chunk of w
+    (2304 rows: 1280 + 1024, split again for each chunk of x); a non-finite row in the second chunk
+    is repaired where its chunk put it."""
+    m, k, n = 8448, 8192, 2304
+    x, w = _operands(m, k, n, seed=14)
+    x[3000, 7] = float("nan")
+    g = torch.Generator(device=CUDA).manual_seed(15)
+    a = torch.rand(n, device=CUDA, generator=g) + 0.5
+    c = torch.randn(n, device=CUDA, generator=g)
+    w.add_(0.0)
+    assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_tf32") == 3 + 3 * 2
+    w.add_(0.0)
+    y = ops.gemm_affine(x, w, a, c, "3xtf32")
+    assert torch.isnan(y[3000]).all()
+    finite = torch.ones(m, dtype=torch.bool, device=CUDA)
+    finite[3000] = False
+    expected = a.double() * (x[finite].double() @ w.double().T) + c.double()
+    assert rel_err(y[finite], expected) <= 1e-6
+
+
+@hopper_only
+def test_product_with_a_large_weight_allocates_chunks_not_its_whole_split():
+    """Problem 84's dX = dZ . W at default precision: the 3xTF32 split of W^T (512 MiB whole) is
+    made 128 MiB at a time, so the product allocates its output, dZ's split (64 MiB) and one chunk
+    (the training step's peak stayed at 1.47x eager's with the whole split; BENCHMARKS.md)."""
+    g = torch.Generator(device=CUDA).manual_seed(16)
+    dz = torch.randn(1024, 8192, device=CUDA, generator=g)
+    w = torch.randn(8192, 8192, device=CUDA, generator=g) / 90.0
+    ops.backward_matmul(dz, w, "3xtf32")  # workspaces of the first call (cuBLAS, allocator) settle
+    torch.cuda.synchronize()
+    w.add_(0.0)  # as an optimizer step would: no kept split
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    dx = ops.backward_matmul(dz, w, "3xtf32")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak <= dx.numel() * 4 + (64 + 128 + 16) * 2**20, peak / 2**20
+    assert rel_err(dx, dz.double() @ w.double()) <= 1e-6
+
+
+@hopper_only
+def test_tf32_product_copies_a_large_operand_in_chunks():
+    """dW = dZ^T . X in TF32 with a K-major copy of X^T larger than 128 MiB: copied and multiplied
+    in chunks of its rows (2304 rows of K = 16384 -> 1280 + 1024), each chunk's output columns
+    written in place."""
+    g = torch.Generator(device=CUDA).manual_seed(13)
+    dz = torch.randn(16384, 2048, device=CUDA, generator=g)
+    x = torch.randn(16384, 2304, device=CUDA, generator=g)
+    assert _launches(lambda: ops.backward_matmul(dz.t(), x, "tf32"), "transpose_tiles") == 3
+    dw = ops.backward_matmul(dz.t(), x, "tf32")
+    assert dw.shape == (2048, 2304) and dw.is_contiguous()
+    assert rel_err(dw, dz.double().T @ x.double()) <= 3e-3
+
+
 def test_ieee_ignores_the_global_tf32_setting():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU available")

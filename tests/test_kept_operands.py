@@ -174,3 +174,43 @@ def test_inference_tensor_weights_are_never_kept(autocast):
                 expected = gemm_scale_bn.Model.forward(model, x)
     assert len(set(launches)) == 1, launches
     assert rel_err(y, expected) <= (1e-5 if autocast is None else 1e-2)
+
+
+def test_training_steps_see_every_weight_and_input_update():
+    """Default precision (3xTF32) training as a loop runs it: between steps the weight is updated in
+    place (an optimizer) and the input batch is copied into the same buffer (a static input, as for
+    CUDA graphs or pinned loading). Every step's dX and dW must follow both. The backward's products
+    read W^T and x^T, views made below autograd whose version counters no such write bumps: a kept
+    split of them returned the first weight's dX and the first batch's dW from the third step on."""
+    from helpers import init_args, make_pair
+
+    ref, new = make_pair(84, init_args(84, 2048, 1024))  # 512 x 2048 -> 1024: the split pays
+    ref, new = ref.to(CUDA).train(), new.to(CUDA).train()
+    g = torch.Generator(device=CUDA).manual_seed(21)
+    x_ref = torch.rand(512, 2048, device=CUDA, generator=g)
+    x_new = x_ref.clone()
+    grad = torch.randn(512, 1024, device=CUDA, generator=g)
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for step in range(5):
+            grads = []
+            for model, x in ((ref, x_ref), (new, x_new)):
+                model.zero_grad(set_to_none=True)
+                xr = x.requires_grad_()
+                model(xr).backward(grad)
+                grads.append((xr.grad.clone(), model.gemm.weight.grad.clone()))
+                xr.grad = None
+                x.requires_grad_(False)
+            (dx_ref, dw_ref), (dx_new, dw_new) = grads
+            assert rel_err(dx_new, dx_ref) <= 1e-4, (step, rel_err(dx_new, dx_ref))
+            assert rel_err(dw_new, dw_ref) <= 1e-4, (step, rel_err(dw_new, dw_ref))
+            with torch.no_grad():
+                update = torch.randn(ref.gemm.weight.shape, device=CUDA, generator=g) * 0.05
+                ref.gemm.weight.add_(update)
+                new.gemm.weight.add_(update)
+                batch = torch.rand(512, 2048, device=CUDA, generator=g)
+                x_ref.copy_(batch)
+                x_new.copy_(batch)
+    finally:
+        torch.set_float32_matmul_precision(saved)

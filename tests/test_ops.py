@@ -273,14 +273,18 @@ def test_bad_precision_string_is_rejected():
 KINDS = {"ieee": (torch.float32, "ieee", 2e-6), "3xtf32": (torch.float32, "3xtf32", 4e-6),
          "tf32": (torch.float32, "tf32", 2e-3),
          "fp16": (torch.float16, "", 2e-3), "bf16": (torch.bfloat16, "", 1e-2)}
-# Hopper paths: (512, 4096, 512) stream-K (eval 4 x 16 tiles of 128x256, training 32 x 2 transposed
-# tiles); (2048, 2304, 64) and (2100, 2304, 64): data-parallel 128x256 tiles in both forms (training:
-# 18 x 8-9 transposed tiles, 8-9 partials per column; 2100 rows leave a ragged batch tile);
-# (256, 4096, 512), (40, 1000, 64), (300, 1000, 72), (33, 8200, 4096) and (200, 8200, 1024): batches
-# of <= 384 rows, the transposed 128x64 tiles (one to five batch tiles, ragged) for both epilogues.
+# Hopper paths (gemm_dispatch.cu, sm90_kernel): (1024, 4096, 128) stream-K (eval 8 x 16 tiles of
+# 128x256, training 32 x 4 transposed tiles); (512, 4096, 512) stream-K in fp32 and the narrow-output
+# SmallM tiles in 16 bits (64 wide tiles: at most half the SMs); (4096, 256, 64): narrow in every
+# dtype (32 wide tiles), SmallM at 4096 rows; (2048, 2304, 64) and (2100, 2304, 64): data-parallel
+# 128x256 tiles in both forms (training: 18 x 8-9 transposed tiles, 8-9 partials per column; 2100
+# rows leave a ragged batch tile); (256, 4096, 512), (40, 1000, 64), (300, 1000, 72),
+# (33, 8200, 4096) and (200, 8200, 1024): batches of <= 384 rows, the transposed 128x64 tiles (one to
+# five batch tiles, ragged) for both epilogues.
 GEMM_SHAPES = [(1, 1, 1), (3, 17, 5), (17, 1000, 3), (1000, 3, 4097), (4097, 129, 17),
-               (256, 4096, 512), (512, 4096, 512), (2048, 2304, 64), (2100, 2304, 64), (40, 1000, 64),
-               (300, 1000, 72), (33, 8200, 4096), (200, 8200, 1024)]
+               (256, 4096, 512), (512, 4096, 512), (1024, 4096, 128), (4096, 256, 64),
+               (2048, 2304, 64), (2100, 2304, 64), (40, 1000, 64), (300, 1000, 72),
+               (33, 8200, 4096), (200, 8200, 1024)]
 GEMM_CASES = [pytest.param(kind, s, id=f"{kind}-M{s[0]}-N{s[1]}-K{s[2]}")
               for kind in KINDS for s in GEMM_SHAPES]
 
@@ -353,9 +357,11 @@ def test_gemm_colstats(kind, shape):
 # whichever kernel sums it (fused epilogue or portable pass), the fp64 sums must be those of z itself,
 # and the variance derived from them must survive columns whose mean dwarfs their spread (x + 100:
 # |mean| / std ~ 1e3, where E[z^2] - E[z]^2 cancels ~6 digits that fp32 sums would not have).
-# Shapes: transposed 128x256 tiles data-parallel (ragged batch tile), the same with stream-K (twice,
-# the second ragged in both directions), and the small-batch 128x64 tiles (ragged).
-STATS_SHAPES = [(2100, 2304, 64), (512, 2048, 128), (1030, 264, 64), (300, 1000, 72)]
+# Shapes: transposed 128x256 tiles data-parallel (ragged batch tile), the same with stream-K
+# (1024 x 4096: 128 tiles), the narrow-output 128x64 tiles (32 and 15 wide tiles, the second ragged
+# in both directions), and the small-batch 128x64 tiles (ragged).
+STATS_SHAPES = [(2100, 2304, 64), (1024, 4096, 64), (512, 2048, 128), (1030, 264, 64),
+                (300, 1000, 72)]
 
 
 @pytest.mark.hopper
@@ -376,7 +382,8 @@ def test_gemm_colstats_sums_the_accumulator_exactly(shape):
 # Ragged and aligned shapes over every GEMM path: SIMT (unaligned), cuBLAS + pass (ieee), sm90
 # stream-K and data-parallel, sm80 (3xtf32; every kind under EPIFUSE_FORCE_SM80=1).
 COVERAGE_SHAPES = [(5, 3, 7), (130, 264, 72), (257, 136, 64), (33, 100, 40), (1536, 1536, 64),
-                   (2048, 2304, 64), (40, 1000, 64), (300, 1000, 72), (33, 8200, 4096)]
+                   (2048, 2304, 64), (4100, 264, 64), (40, 1000, 64), (300, 1000, 72),
+                   (33, 8200, 4096)]
 COVERAGE_CASES = [pytest.param(kind, simt, s, id=f"{kind}{'-simt' if simt else ''}-M{s[0]}-N{s[1]}-K{s[2]}")
                   for kind in KINDS for simt in ((False, True) if kind == "ieee" else (False,))
                   for s in COVERAGE_SHAPES]

@@ -134,6 +134,30 @@ GemmKernelKind choose_kind(const GemmProblem& p, Epilogue e, const EpilogueOpera
   return wgmma ? GemmKernelKind::kSm90 : GemmKernelKind::kSm80;
 }
 
+// Copies of an operand that a product reads instead of the operand itself (the 3xTF32 split, a
+// K-major copy for cuBLAS) are made a chunk of rows at a time, one GEMM per chunk, so that the copy
+// of a large operand never exists whole (the 3xTF32 split of problem 84's 8192x8192 weight is
+// 512 MiB, that of problem 39's dZ^T for dW 512 MiB, its K-major copy of X^T in TF32 256 MiB).
+// w's rows are the output's columns: at most 128 MiB of its copy at a time. x's rows (the output's
+// rows, chunked only for the affine epilogue, whose rows are independent) get twice that, since
+// every chunk of x re-reads every chunk of w: fewer re-splits of w. These keep the training steps'
+// peaks within ~1.1x eager's while a chunk stays about one wave of tiles or more (problem 84's
+// weight: four chunks of 2048 rows, 128 tiles each at M = 1024); measured: BENCHMARKS.md, "Kernel
+// selection".
+constexpr size_t kWCopyChunkBytes = size_t(128) << 20;
+constexpr size_t kXCopyChunkBytes = size_t(256) << 20;
+
+// Rows per chunk of an n-row operand copy of row_bytes a row within `budget` bytes: as few chunks
+// as fit, of (nearly) equal sizes, a multiple of 256 rows (two 128-row tiles; column offsets stay
+// 16-byte aligned); n when one chunk holds all.
+int64_t copy_chunk_rows(int64_t n, size_t row_bytes, size_t budget) {
+  const int64_t most = std::max<int64_t>(
+      int64_t(budget / std::max<size_t>(row_bytes, 1)) / 256 * 256, 256);
+  if (n <= most) return n;
+  const int64_t chunks = (n + most - 1) / most;
+  return ((n + chunks - 1) / chunks + 255) / 256 * 256;
+}
+
 #if EPIFUSE_HAVE_SM90
 }  // namespace
 
@@ -165,6 +189,26 @@ constexpr int64_t kSmallBatchRows = 384;
 
 bool small_batch(const GemmProblem& p) { return p.M <= kSmallBatchRows; }
 
+// Narrow outputs: where the wide tiles (128x256 over z or z^T) cover only a fraction of the SMs (a
+// projection's 256-column last layer at a batch of 4096: 32 tiles), stream-K cuts every tile's K
+// loop several ways and fixes the partial tiles up; the transposed 128x64 tiles of SmallM are four
+// times as many whole tiles. Measured on an H200 (BENCHMARKS.md, "Kernel selection"): at 32 wide
+// tiles SmallM is 27-37% faster in bf16 and TF32; at 64 it is 9-17% faster in bf16 but 12-40%
+// slower in TF32, so 16-bit problems switch at half the SMs and fp32 ones at a quarter.
+// EPIFUSE_NARROW_SMALL_M=0 keeps stream-K there (to measure the two); read once.
+bool narrow_small_m_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("EPIFUSE_NARROW_SMALL_M");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+bool narrow_output(const GemmProblem& p, int64_t wide_tiles, int sms) {
+  const int64_t divisor = p.dtype == DType::kFloat32 ? 4 : 2;
+  return narrow_small_m_enabled() && divisor * wide_tiles <= sms;
+}
+
 // The row of the generated table with these keys (-1: none, a hole in generate_kernels.py's table).
 int find_sm90_kernel(DType dtype, MathMode math, Epilogue e, sm90::Schedule schedule) {
   for (int i = 0; i < sm90::kKernelCount; ++i) {
@@ -175,7 +219,7 @@ int find_sm90_kernel(DType dtype, MathMode math, Epilogue e, sm90::Schedule sche
 }
 
 // The Hopper kernel of a problem (for the split plan: of the split problem, same M and N):
-//   small batches: the transposed 128x64 tiles (both epilogues);
+//   small batches, narrow outputs: the transposed 128x64 tiles (both epilogues);
 //   eval:          the wide tiles over z;
 //   training:      the wide tiles over z^T (sm90_gemm_configs.hpp says why);
 // each with stream-K when its tiles are fewer than the SMs.
@@ -185,16 +229,21 @@ int sm90_kernel(const GemmProblem& p, Epilogue e, int sms) {
   int kernel = -1;
   if (small_batch(p)) {
     kernel = find(Schedule::kSmallM);
-  } else if (e == Epilogue::kAffine) {
-    const int wide = find(Schedule::kWide);
-    const bool sk = wide >= 0 && prefer_stream_k(p.M, p.N, sm90::kKernels[wide].tile_m,
-                                                 sm90::kKernels[wide].tile_n, sms);
-    kernel = sk ? find(Schedule::kWideSK) : wide;
   } else {
-    const int wide = find(Schedule::kWideTransposed);
-    const bool sk = wide >= 0 && prefer_stream_k(p.N, p.M, sm90::kKernels[wide].tile_m,
-                                                 sm90::kKernels[wide].tile_n, sms);
-    kernel = sk ? find(Schedule::kWideTransposedSK) : wide;
+    // The wide tiles cover z (eval) or z^T (training): rows x cols of the kernel's output.
+    const bool eval = e == Epilogue::kAffine;
+    const int wide = find(eval ? Schedule::kWide : Schedule::kWideTransposed);
+    if (wide < 0) throw std::logic_error("epifuse: no Hopper kernel for this mode and epilogue");
+    const int64_t rows = eval ? p.M : p.N, cols = eval ? p.N : p.M;
+    const int64_t tile_m = sm90::kKernels[wide].tile_m, tile_n = sm90::kKernels[wide].tile_n;
+    const int64_t wide_tiles = ((rows + tile_m - 1) / tile_m) * ((cols + tile_n - 1) / tile_n);
+    if (narrow_output(p, wide_tiles, sms)) {
+      kernel = find(Schedule::kSmallM);
+    } else if (prefer_stream_k(rows, cols, tile_m, tile_n, sms)) {
+      kernel = find(eval ? Schedule::kWideSK : Schedule::kWideTransposedSK);
+    } else {
+      kernel = wide;
+    }
   }
   if (kernel < 0) throw std::logic_error("epifuse: no Hopper kernel for this mode and epilogue");
   return kernel;
@@ -235,6 +284,33 @@ GemmProblem split_problem(const GemmProblem& p, const float* x_split, const floa
 }
 
 size_t row_flag_bytes(const GemmProblem& p) { return (sizeof(int) * size_t(p.M) + 255) / 256 * 256; }
+
+// Output rows [r0, r0 + m) of p: x's rows r0.., out's rows r0..
+GemmProblem row_chunk(const GemmProblem& p, int64_t r0, int64_t m) {
+  GemmProblem c = p;
+  c.M = m;
+  c.x = static_cast<const float*>(p.x) + r0 * p.ldx;
+  c.out = static_cast<float*>(p.out) + r0 * p.ldo;
+  return c;
+}
+
+// Output columns [c0, c0 + n) of p: w's rows c0.., out's columns c0.. (row strides unchanged).
+GemmProblem column_chunk(const GemmProblem& p, int64_t c0, int64_t n) {
+  GemmProblem c = p;
+  c.N = n;
+  c.w = static_cast<const float*>(p.w) + c0 * p.ldw;
+  c.out = static_cast<float*>(p.out) + c0;
+  return c;
+}
+
+EpilogueOperands column_chunk(const EpilogueOperands& ops, int64_t c0) {
+  EpilogueOperands c = ops;
+  if (c.a != nullptr) c.a += c0;
+  if (c.c != nullptr) c.c += c0;
+  if (c.colsum != nullptr) c.colsum += c0;
+  if (c.colsumsq != nullptr) c.colsumsq += c0;
+  return c;
+}
 #endif
 
 // The sm80 kernel of a problem: one per mode and epilogue (its stream-K schedule sizes itself).
@@ -311,17 +387,51 @@ GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops
 #if EPIFUSE_HAVE_SM90
   if (plan.kind == GemmKernelKind::kSm90 || plan.splits_operands) {
     plan.sm_count = sm_count(device);
-    const GemmProblem gp = plan.splits_operands ? split_problem(p, nullptr, nullptr) : p;
-    plan.kernel = sm90_kernel(gp, e, plan.sm_count);
-    plan.kernel_name = sm90::kKernels[plan.kernel].name;
-    sm90::with_kernel(plan.kernel, [&](auto cfg, auto tag) {
+    auto kernel_and_workspace = [&](const GemmProblem& gp, int& kernel) {
+      kernel = sm90_kernel(gp, e, plan.sm_count);
+      size_t bytes = 0;
+      sm90::with_kernel(kernel, [&](auto cfg, auto tag) {
+        bytes = sm90_workspace_bytes<decltype(cfg), decltype(tag)>(gp, device, plan.sm_count);
+      });
+      return bytes;
+    };
+    if (!plan.splits_operands) {
+      plan.workspace_bytes = kernel_and_workspace(p, plan.kernel);
+    } else {
+      // x's split in chunks of its rows (affine epilogue only), w's in chunks of its rows unless
+      // the caller gives w's split; one GEMM per pair of chunks (kernel_and_workspace plans the
+      // full chunk; the GEMM workspace covers the narrower last chunks on the same kernel too).
+      const int64_t split_row_bytes = int64_t(sizeof(float)) * split_tf32_ld(p.K);
+      plan.x_chunk = e == Epilogue::kAffine
+                         ? copy_chunk_rows(p.M, size_t(split_row_bytes), kXCopyChunkBytes)
+                         : p.M;
+      plan.w_chunk = copy_chunk_rows(p.N, size_t(split_row_bytes), kWCopyChunkBytes);
+      const size_t x_bytes = split_tf32_bytes(plan.x_chunk, p.K) + row_flag_bytes(p);
+      auto chunks_workspace = [&](int64_t n_chunk, int& kernel) {
+        GemmProblem c = p;
+        c.M = plan.x_chunk;
+        c.N = n_chunk;
+        size_t bytes = kernel_and_workspace(split_problem(c, nullptr, nullptr), kernel);
+        for (const int64_t m : {plan.x_chunk, p.M % plan.x_chunk}) {
+          for (const int64_t n : {n_chunk, p.N % n_chunk}) {
+            if (m == 0 || n == 0) continue;
+            c.M = m;
+            c.N = n;
+            sm90::with_kernel(kernel, [&](auto cfg, auto tag) {
+              bytes = std::max(bytes, sm90_workspace_bytes<decltype(cfg), decltype(tag)>(
+                                          split_problem(c, nullptr, nullptr), device,
+                                          plan.sm_count));
+            });
+          }
+        }
+        return bytes;
+      };
+      plan.workspace_bytes_given_split = x_bytes + chunks_workspace(p.N, plan.kernel);
+      plan.weight_split_bytes = split_tf32_bytes(plan.w_chunk, p.K);
       plan.workspace_bytes =
-          sm90_workspace_bytes<decltype(cfg), decltype(tag)>(gp, device, plan.sm_count);
-    });
-    if (plan.splits_operands) {
-      plan.weight_split_bytes = split_tf32_bytes(p.N, p.K);
-      plan.workspace_bytes += split_tf32_bytes(p.M, p.K) + row_flag_bytes(p) + plan.weight_split_bytes;
+          x_bytes + plan.weight_split_bytes + chunks_workspace(plan.w_chunk, plan.chunk_kernel);
     }
+    plan.kernel_name = sm90::kKernels[plan.kernel].name;
     return plan;
   }
 #endif
@@ -336,7 +446,8 @@ GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops
 }
 
 size_t gemm_workspace_bytes(const GemmPlan& plan, const GemmProblem& p) {
-  return plan.workspace_bytes - (plan.splits_operands && p.w_split != nullptr ? plan.weight_split_bytes : 0);
+  return plan.splits_operands && p.w_split != nullptr ? plan.workspace_bytes_given_split
+                                                      : plan.workspace_bytes;
 }
 
 // TF32 wgmma reads only K-major tiles, so cuBLAS runs an fp32 product with an MN-major operand on a
@@ -365,6 +476,14 @@ KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int cc_major, int 
   if (!hopper_tf32 || !k_major_copies_enabled()) return copies;
   copies.x = p.x_col_stride != 1 && p.N >= kKMajorCopyMinOther;
   copies.w = p.w_col_stride != 1 && p.M >= kKMajorCopyMinOther;
+  // w's copy in chunks of its rows (copy_chunk_rows): dW's copy of x^T at problem 39's size is
+  // 256 MiB, two chunks of 2048 rows (the product's output columns), each 128 x 16 of cuBLAS's
+  // 128x256 tiles.
+  if (copies.w) {
+    const int64_t rows = copy_chunk_rows(p.N, sizeof(float) * size_t(std::max<int64_t>(p.K, 1)),
+                                         kWCopyChunkBytes);
+    copies.w_chunk = rows < p.N ? rows : 0;
+  }
   return copies;
 }
 
@@ -462,25 +581,41 @@ void gemm_run(const GemmPlan& plan, const GemmProblem& p, const EpilogueOperands
       return;
 #if EPIFUSE_HAVE_SM90
     case GemmKernelKind::kSm90Split3xTf32: {
-      // Split x (and w, unless the caller kept its split) into the workspace, then the GEMM on the
-      // split operands; its own workspace follows them.
+      // For each chunk of x's rows: its split, then the GEMMs on the split operands, on w's split
+      // as given (one GEMM) or on w split here chunk by chunk (a w of one chunk is split once).
+      // Each split reuses its buffer: launches on one stream run in order. The GEMM's own
+      // workspace follows the splits.
       char* base = static_cast<char*>(workspace);
       auto* x_split = reinterpret_cast<float*>(base);
-      base += split_tf32_bytes(p.M, p.K);
+      base += split_tf32_bytes(plan.x_chunk, p.K);
       auto* row_flags = reinterpret_cast<int*>(base);
       base += row_flag_bytes(p);
-      split_tf32(static_cast<const float*>(p.x), p.M, p.K, p.ldx, p.x_col_stride, x_split,
-                 row_flags, stream);
-      const float* w_split = p.w_split;
-      if (w_split == nullptr) {
-        split_weight(p, reinterpret_cast<float*>(base), stream);
-        w_split = reinterpret_cast<const float*>(base);
+      float* w_split = nullptr;
+      if (p.w_split == nullptr) {
+        w_split = reinterpret_cast<float*>(base);
         base += plan.weight_split_bytes;
       }
-      const GemmProblem sp = split_problem(p, x_split, w_split);
-      sm90::with_kernel(plan.kernel, [&](auto cfg, auto tag) {
-        sm90_run<decltype(cfg), decltype(tag)>(sp, ops, base, plan.device, plan.sm_count, stream);
-      });
+      auto run = [&](int kernel, const GemmProblem& sp, const EpilogueOperands& o) {
+        sm90::with_kernel(kernel, [&](auto cfg, auto tag) {
+          sm90_run<decltype(cfg), decltype(tag)>(sp, o, base, plan.device, plan.sm_count, stream);
+        });
+      };
+      bool w_split_made = false;
+      for (int64_t r0 = 0; r0 < p.M; r0 += plan.x_chunk) {
+        const GemmProblem rows = row_chunk(p, r0, std::min(plan.x_chunk, p.M - r0));
+        split_tf32(static_cast<const float*>(rows.x), rows.M, p.K, p.ldx, p.x_col_stride, x_split,
+                   row_flags + r0, stream);
+        if (p.w_split != nullptr) {
+          run(plan.kernel, split_problem(rows, x_split, p.w_split), ops);
+          continue;
+        }
+        for (int64_t c0 = 0; c0 < p.N; c0 += plan.w_chunk) {
+          const GemmProblem chunk = column_chunk(rows, c0, std::min(plan.w_chunk, p.N - c0));
+          if (!w_split_made || plan.w_chunk < p.N) split_weight(chunk, w_split, stream);
+          w_split_made = true;
+          run(plan.chunk_kernel, split_problem(chunk, x_split, w_split), column_chunk(ops, c0));
+        }
+      }
       // The split turns the +-Inf of a row of x into NaN; IEEE math for those rows (the affine
       // epilogue's activation included).
       const bool affine = e == Epilogue::kAffine;

@@ -87,6 +87,13 @@ struct PreparedGemm {
   Epilogue epilogue = Epilogue::kAffine;
   int device = 0, cc_major = 0, cc_minor = 0;
   at::Tensor x, w, out;  // keep the (possibly copied) operands alive
+  // Whether w is a layer's weight as the caller passed it, whose 3xTF32 split may be kept while
+  // its version is unchanged (weight_split_cache.h). The backward's products pass false: their w
+  // is W^T or x^T, a view made here below autograd's ADInplaceOrView (so with a version counter of
+  // its own, which no write to the weight bumps: a kept split of it went stale after the first
+  // optimizer step), of an activation or of a weight that changes every step (a kept split would
+  // only pin 2x its bytes).
+  bool w_is_layer_weight = true;
 };
 
 void bind_operands(PreparedGemm& g) {
@@ -185,7 +192,7 @@ void run_gemm(PreparedGemm& g, const GemmPlan& plan, const EpilogueOperands& ops
     return;
   }
   at::Tensor w_split;  // kept alive until the GEMM is enqueued
-  if (plan.splits_operands) {
+  if (plan.splits_operands && g.w_is_layer_weight) {
     w_split = cached_weight_split(g.w, g.problem, current_stream());
     g.problem.w_split = w_split.defined() ? w_split.data_ptr<float>() : nullptr;
   }
@@ -727,6 +734,7 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   // Our own TF32 kernel needs K-major operands too: with such copies (then Tensor::contiguous),
   // problem 84's TF32 training step took 2.31 ms against 1.60 ms with cuBLAS's (H100).
   PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op);
+  g.w_is_layer_weight = false;
   const EpilogueOperands plain;  // a = c = null: the plain product
   const GemmPlan plan = plan_gemm(g, plain);
   if (plan.splits_operands) {
@@ -735,9 +743,25 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   }
   const KMajorCopies copies = cublas_tf32_k_major_copies(g.problem, g.cc_major, g.cc_minor);
   if (copies.x) g.x = k_major_copy(g.x);
-  if (copies.w) g.w = k_major_copy(g.w);
-  cublas_product(g);
-  return g.out;
+  if (!copies.w) {
+    cublas_product(g);
+    return g.out;
+  }
+  if (copies.w_chunk == 0) {
+    g.w = k_major_copy(g.w);
+    cublas_product(g);
+    return g.out;
+  }
+  // w's copy chunk by chunk (its rows are the output's columns): one chunk's copy at a time.
+  const at::Tensor w = g.w, out = g.out;
+  for (int64_t c0 = 0; c0 < w.size(0); c0 += copies.w_chunk) {
+    const int64_t n = std::min(copies.w_chunk, w.size(0) - c0);
+    g.w = at::Tensor();  // the previous chunk's copy freed first: its block serves the next
+    g.w = k_major_copy(w.narrow(0, c0, n));
+    g.out = out.narrow(1, c0, n);
+    cublas_product(g);
+  }
+  return out;
 }
 
 }  // namespace

@@ -8,10 +8,15 @@
 // place every step) gains nothing from a cache and would pin the operand in memory (twice the
 // weight for a split, half of it for a cast), so an operand is kept only after two calls in a row
 // see the same version:
-//   - the key is the view (storage, offset, sizes, strides) and the kind of operand: W and the
-//     backward's W^T are two keys, W's split and its bf16 cast two more;
+//   - the key is the view (storage, offset, sizes, strides) and the kind of operand: W's split and
+//     its bf16 cast are two keys;
 //   - the value is valid while the storage is alive and its version counter (shared by every view
-//     of it, bumped by every in-place write) is unchanged.
+//     of it made through autograd, bumped by every in-place write) is unchanged.
+// Only a layer's weight as the caller passed it is looked up here. A view made inside an op, below
+// autograd's ADInplaceOrView key, gets a version counter of its own that no write to its base bumps:
+// the backward's products (W^T for dX, x^T for dW) are such views, and keeping their splits
+// returned stale gradients after the first optimizer step; they never keep (ops.cpp,
+// PreparedGemm::w_is_layer_weight).
 // Streams: an operand is made on the caller's stream; a caller on another stream waits for it (an
 // event recorded after it was made) and the allocator is told that stream uses it (record_stream),
 // so neither a read before it is written nor a reuse of its memory while that stream reads it.

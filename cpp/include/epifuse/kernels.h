@@ -92,6 +92,9 @@ enum class GemmKernelKind {
 // Operands to copy into K-major rows (unit column stride) before a launch; see GemmPlan.
 struct KMajorCopies {
   bool x = false, w = false;
+  // cublas_tf32_k_major_copies only: copy w (and multiply) in chunks of this many rows, so that
+  // the copy of a large operand never exists whole; 0: all rows at once.
+  int64_t w_chunk = 0;
 };
 
 struct GemmPlan {
@@ -110,10 +113,20 @@ struct GemmPlan {
   // by a row-major copy in a fresh allocation (16-byte aligned, row stride K) before the launch.
   // The plan was made for those copies.
   KMajorCopies copies;
-  // Device workspace bytes of the launch when it splits w itself (p.w_split null); a launch given
-  // p.w_split needs weight_split_bytes fewer. gemm_workspace_bytes says which.
+  // Device workspace bytes of the launch when it splits w itself (p.w_split null): the split of a
+  // chunk of x's rows (and x's non-finite row flags), the split of a chunk of w's rows
+  // (weight_split_bytes) and the GEMM's own workspace. A launch given p.w_split needs
+  // workspace_bytes_given_split. gemm_workspace_bytes says which.
   size_t workspace_bytes = 0;
   size_t weight_split_bytes = 0;
+  size_t workspace_bytes_given_split = 0;
+  // Split plans split x in chunks of x_chunk rows (the output's rows; the affine epilogue only) and
+  // w in chunks of w_chunk rows (the output's columns), one GEMM per pair of chunks (chunk_kernel,
+  // the tile configuration for that shape), so that the split of a large operand never exists whole
+  // (the 3xTF32 split of problem 84's 8192x8192 weight is 512 MiB). Given p.w_split, the GEMMs
+  // (kernel) read it over all of N. x_chunk == M, w_chunk == N: one chunk.
+  int64_t x_chunk = 0, w_chunk = 0;
+  int chunk_kernel = -1;
   // What the plan was made for (gemm_run checks that the launch matches).
   int64_t M = 0, N = 0, K = 0;
   DType dtype = DType::kFloat32;
@@ -142,7 +155,8 @@ void gemm_run(const GemmPlan& plan, const GemmProblem& p, const EpilogueOperands
 
 // For a product the op layer runs on cuBLAS in TF32 (the backward's dX = dZ . W, dW = dZ^T . X):
 // which of x, w (strided views, x_col_stride / w_col_stride != 1 where MN-major) to copy K-major
-// first, because the copy costs less than the slower kernel cuBLAS takes for that layout.
+// first, because the copy costs less than the slower kernel cuBLAS takes for that layout; and in
+// how many rows of w at a time (w_chunk), the output's columns then written chunk by chunk.
 KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int device_cc_major, int device_cc_minor);
 
 // In place over n contiguous floats of an fp32 product of fp16 operands: +-inf

@@ -14,7 +14,8 @@
 // (a block owning both a row band and all its columns would hold N fp64 partial pairs).
 //
 // Determinism: the row term is reduced by a fixed shuffle tree and warp order; each column's sums
-// by one block in a fixed order (as column_stats.cu); one-element scale gradients by fixed trees
+// by one block per split of the rows in a fixed order (as column_stats.cu), then the splits in
+// split order; one-element scale gradients by fixed trees
 // over each column block, then over the blocks in block order (one atomic ticket only says which
 // block is last, not what is summed).
 #include <algorithm>
@@ -174,7 +175,7 @@ constexpr int kCols = 32;
 
 template <class G, class Z, int kVec, bool kSoftmax, int kThreads, int kRowsInFlight>
 __global__ void __launch_bounds__(kThreads)
-head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
+head_grad_sums_kernel(GradOperands o, int64_t rows_per_split, double* __restrict__ sums) {
   constexpr int kLanesPerRow = kCols / kVec;
   constexpr int kRowGroups = kThreads / kLanesPerRow;
   constexpr int kWarps = kThreads / 32;
@@ -192,8 +193,11 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
     const G* g = static_cast<const G*>(o.g) + col;
     const Z* z = static_cast<const Z*>(o.z) + col;
     const G* out = kSoftmax ? static_cast<const G*>(o.out) + col : nullptr;
-    int64_t row = group;
-    for (; row + (kRowsInFlight - 1) * kRowGroups < o.M; row += kRowsInFlight * kRowGroups) {
+    // This block's rows: split blockIdx.y of the column band (one split: all of them).
+    const int64_t row_begin = int64_t(blockIdx.y) * rows_per_split;
+    const int64_t row_end = std::min(o.M, row_begin + rows_per_split);
+    int64_t row = row_begin + group;
+    for (; row + (kRowsInFlight - 1) * kRowGroups < row_end; row += kRowsInFlight * kRowGroups) {
       RowVec<G, kVec> gv[kRowsInFlight], ov[kSoftmax ? kRowsInFlight : 1];
       RowVec<Z, kVec> zv[kRowsInFlight];
       float r[kSoftmax ? kRowsInFlight : 1];
@@ -224,7 +228,7 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
         s3[e] += double(p3[e]);
       }
     }
-    for (; row < o.M; row += kRowGroups) {
+    for (; row < row_end; row += kRowGroups) {
       float dv[kVec], zf[kVec];
       load_dv_z<G, Z, kVec, kSoftmax>(o, row, col, dv, zf);
 #pragma unroll
@@ -251,29 +255,71 @@ head_grad_sums_kernel(GradOperands o, double* __restrict__ sums) {
     }
   }
   __syncthreads();
+  // One split: the sums themselves; several: split y's partials at sums + 2N * y (the scratch),
+  // which sum_split_partials_kernel adds in split order.
+  double* out = sums + 2 * o.N * int64_t(blockIdx.y);
   if (threadIdx.x < kCols && col0 + threadIdx.x < o.N) {
     double a = 0.0, b = 0.0;
     for (int w = 0; w < kWarps; ++w) {
       a += part_s1[w][threadIdx.x];
       b += part_s3[w][threadIdx.x];
     }
-    sums[col0 + threadIdx.x] = a;
-    sums[o.N + col0 + threadIdx.x] = b;
+    out[col0 + threadIdx.x] = a;
+    out[o.N + col0 + threadIdx.x] = b;
   }
-  if (blockIdx.x == 0 && threadIdx.x == 0) sums[2 * o.N] = double(o.M);
+  if (gridDim.y == 1 && blockIdx.x == 0 && threadIdx.x == 0) sums[2 * o.N] = double(o.M);
+}
+
+// sums[i] = sum over the splits y = 0, 1, .. of partials[2N * y + i], in that order
+// (deterministic); sums[2N] = M.
+__global__ void sum_split_partials_kernel(const double* __restrict__ partials, int64_t n2,
+                                          int splits, int64_t rows, double* __restrict__ sums) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n2) {
+    double s = 0.0;
+    for (int y = 0; y < splits; ++y) s += partials[n2 * y + i];
+    sums[i] = s;
+  }
+  if (i == 0) sums[n2] = double(rows);
+}
+
+// Splits of the rows of each column band, for narrow problems whose bands leave SMs idle: as many
+// as keep the blocks within one wave of one 512-thread block per SM, each split at least
+// kMinRowsPerSplit rows. A projection's 4096 x 256 last layer ran on 8 blocks in 14.1 us (bf16,
+// H200, inside a training step); in 4 splits 7.9 us plus 1.2 us for the splits' sum. Splitting
+// further, into the 256-thread form's two blocks per SM, measured 2.2x slower for 4096 x 4096 bf16
+// (89 against 41 us) and no faster in fp32: wider problems keep one split.
+constexpr int64_t kMinRowsPerSplit = 1024;
+
+int sums_row_splits(const GradOperands& o) {
+  const int64_t bands = (o.N + kCols - 1) / kCols;
+  const int64_t want = int64_t(sm_count(current_device())) / bands;
+  const int64_t most = std::max<int64_t>(o.M / kMinRowsPerSplit, 1);
+  return int(std::max<int64_t>(1, std::min({want, most, int64_t(65535)})));
 }
 
 template <class G, class Z, int kVec, bool kSoftmax>
-void launch_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
-  const unsigned blocks = unsigned((o.N + kCols - 1) / kCols);
+void launch_sums(const GradOperands& o, double* sums, double* partials, int splits,
+                 cudaStream_t stream) {
+  const unsigned bands = unsigned((o.N + kCols - 1) / kCols);
+  const int64_t rows_per_split = (o.M + splits - 1) / splits;
+  double* out = splits > 1 ? partials : sums;
+  const dim3 grid(bands, unsigned(splits));
   // ~100 registers a thread: one 512-thread block or two 256-thread blocks fit an SM. Bands that fit
-  // one per SM get 512 threads (problem 39: 128 bands, 96.1 us against 112.0 with 256); more bands
-  // get 256 threads, two per SM, so that up to twice the SMs' bands run in one wave (problem 84:
+  // one per SM get 512 threads (problem 39: 128 bands, 96.1 us against 112.0 with 256); more blocks
+  // get 256 threads, two per SM, so that up to twice the SMs' blocks run in one wave (problem 84:
   // 256 bands, 22.3 us against 23.8 with 512). Either way 2048 row vectors per block in flight.
-  if (blocks > unsigned(sm_count(current_device()))) {
-    head_grad_sums_kernel<G, Z, kVec, kSoftmax, 256, 8><<<blocks, 256, 0, stream>>>(o, sums);
+  if (uint64_t(bands) * unsigned(splits) > unsigned(sm_count(current_device()))) {
+    head_grad_sums_kernel<G, Z, kVec, kSoftmax, 256, 8>
+        <<<grid, 256, 0, stream>>>(o, rows_per_split, out);
   } else {
-    head_grad_sums_kernel<G, Z, kVec, kSoftmax, 512, 4><<<blocks, 512, 0, stream>>>(o, sums);
+    head_grad_sums_kernel<G, Z, kVec, kSoftmax, 512, 4>
+        <<<grid, 512, 0, stream>>>(o, rows_per_split, out);
+  }
+  if (splits > 1) {
+    const int64_t n2 = 2 * o.N;
+    sum_split_partials_kernel<<<unsigned((n2 + 255) / 256), 256, 0, stream>>>(partials, n2, splits,
+                                                                                o.M, sums);
   }
 }
 
@@ -493,11 +539,19 @@ void softmax_grad_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stre
   check_launch("softmax_grad_rowdot");
 }
 
-void head_grad_sums(const GradOperands& o, double* sums, cudaStream_t stream) {
+size_t head_grad_sums_scratch_bytes(const GradOperands& o) {
+  if (o.N == 0) return 0;
+  const int splits = sums_row_splits(o);
+  return splits > 1 ? sizeof(double) * size_t(2 * o.N) * size_t(splits) : 0;
+}
+
+void head_grad_sums(const GradOperands& o, double* sums, void* scratch, cudaStream_t stream) {
   if (o.N == 0) return;  // the op layer writes the lone row count
+  const int splits = sums_row_splits(o);
+  if (splits > 1 && scratch == nullptr) throw std::runtime_error("head_grad_sums: scratch is null");
   dispatch_grad(o, true, [&](auto g_tag, auto z_tag, auto width, auto softmax) {
     launch_sums<decltype(g_tag), decltype(z_tag), decltype(width)::value, decltype(softmax)::value>(
-        o, sums, stream);
+        o, sums, static_cast<double*>(scratch), splits, stream);
   });
   check_launch("head_grad_sums");
 }

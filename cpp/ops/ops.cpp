@@ -589,7 +589,11 @@ at::Tensor head_grad_sums_cuda(const at::Tensor& grad, const std::optional<at::T
   prepare_activation(p, z, a, c, activation, negative_slope, op);
   if (p.o.N == 0) return at::full({1}, double(p.o.M), z.options().dtype(at::kDouble));
   at::Tensor sums = at::empty({2 * p.o.N + 1}, z.options().dtype(at::kDouble));
-  head_grad_sums(p.o, sums.data_ptr<double>(), current_stream());
+  const size_t scratch_bytes = head_grad_sums_scratch_bytes(p.o);
+  at::Tensor scratch;
+  if (scratch_bytes > 0) scratch = at::empty({int64_t(scratch_bytes)}, z.options().dtype(at::kByte));
+  head_grad_sums(p.o, sums.data_ptr<double>(), scratch_bytes > 0 ? scratch.data_ptr() : nullptr,
+                 current_stream());
   return sums;
 }
 

@@ -211,6 +211,20 @@ def _launches(fn, name: str) -> int:
                if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def _affine_case(m, k, n, *, seed, bad):
+    """x [m, k] with x[row, col] = value (bad), w [n, k], and affine vectors a, c [n]. The weight is
+    written in place (its version bumped) here and before each further call in the tests, as an
+    optimizer would, so that no kept split stands in for the chunks."""
+    x, w = _operands(m, k, n, seed=seed)
+    row, col, value = bad
+    x[row, col] = value
+    g = torch.Generator(device=CUDA).manual_seed(seed + 1)
+    a = torch.rand(n, device=CUDA, generator=g) + 0.5
+    c = torch.randn(n, device=CUDA, generator=g)
+    w.add_(0.0)
+    return x, w, a, c
+
+
 @hopper_only
 def test_large_weight_split_in_chunks():
     """A weight whose 3xTF32 split exceeds 128 MiB is split and multiplied in chunks of its rows
@@ -218,14 +232,8 @@ def test_large_weight_split_in_chunks():
     of 1536, 1536 and 1280 rows. Each chunk's columns get their own epilogue vectors and
     statistics, and a non-finite row of x is repaired across all of them."""
     m, k, n = 512, 8192, 4352
-    x, w = _operands(m, k, n, seed=11)
-    x[17, 5] = float("inf")
-    g = torch.Generator(device=CUDA).manual_seed(12)
-    a = torch.rand(n, device=CUDA, generator=g) + 0.5
-    c = torch.randn(n, device=CUDA, generator=g)
-    # x's split, then one split per chunk of w (the weight is written before each call, so that no
-    # kept split stands in for it).
-    w.add_(0.0)
+    x, w, a, c = _affine_case(m, k, n, seed=11, bad=(17, 5, float("inf")))
+    # x's split, then one split per chunk of w.
     assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_tf32") == 4
     w.add_(0.0)
     y = ops.gemm_affine(x, w, a, c, "3xtf32")
@@ -255,12 +263,7 @@ def test_tall_x_split_in_chunks_of_rows():
     (2304 rows: 1280 + 1024, split again for each chunk of x); a non-finite row in the second chunk
     is repaired where its chunk put it."""
     m, k, n = 8448, 8192, 2304
-    x, w = _operands(m, k, n, seed=14)
-    x[3000, 7] = float("nan")
-    g = torch.Generator(device=CUDA).manual_seed(15)
-    a = torch.rand(n, device=CUDA, generator=g) + 0.5
-    c = torch.randn(n, device=CUDA, generator=g)
-    w.add_(0.0)
+    x, w, a, c = _affine_case(m, k, n, seed=14, bad=(3000, 7, float("nan")))
     assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_tf32") == 3 + 3 * 2
     w.add_(0.0)
     y = ops.gemm_affine(x, w, a, c, "3xtf32")

@@ -430,6 +430,26 @@ def test_kernels_match_fold(dtype, shape, softmax):
 
 
 @pytest.mark.hopper
+@pytest.mark.parametrize("shape,split", [((4096, 256), True), ((2048, 1024), True),
+                                         ((4096, 4096), False), ((1000, 4097), False)], ids=str)
+def test_sums_split_the_rows_of_narrow_problems_only(shape, split):
+    """head_grad_sums splits the rows where its column bands leave SMs idle and adds the splits in
+    a second kernel (head_backward.cu, sums_row_splits); bands that fill the SMs run one split, and
+    fewer than 2048 rows never split. (The cases assume 114-132 SMs: H100 PCIe/SXM, H200.)"""
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    grad, z = (torch.randn(*shape, device=CUDA, generator=g) for _ in range(2))
+    ops.head_grad_sums(grad, None, None, z)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        sums = ops.head_grad_sums(grad, None, None, z)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("head_grad_sums_kernel" in k for k in kernels), kernels
+    assert any("sum_split_partials" in k for k in kernels) == split, kernels
+    assert rel_err(sums[:-1], fold.grad_sums(grad, None, z)[:-1]) < 1e-5
+
+
+@pytest.mark.hopper
 def test_sums_are_deterministic():
     g = torch.Generator(device=CUDA).manual_seed(2)
     grad, z = (torch.randn(4096, 1024, device=CUDA, generator=g) for _ in range(2))

@@ -309,6 +309,43 @@ def test_gemm_affine(kind, shape):
     assert rel_err(y, expected) <= tol
 
 
+def _cutlass_gemms(fn) -> list[str]:
+    """Names of the CUTLASS GEMM kernels fn() launches, in order."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "device_kernel" in e.name and "GemmUniversal" in e.name]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("op_name", ["colstats", "affine"])
+@pytest.mark.parametrize("kind", ["bf16", "tf32"])
+def test_narrow_outputs_run_the_small_batch_tiles(kind, op_name):
+    """A batch of 4096 rows into 256 columns (32 wide tiles: a quarter of the SMs or fewer) runs the
+    transposed 128x64 tiles of small batches, not stream-K (gemm_dispatch.cu, narrow_output): the
+    very kernel a 128-row batch launches. 1024 x 4096 (128 wide tiles) keeps another one."""
+    dtype, precision, _ = KINDS[kind]
+
+    def gemm(m, n, k):
+        x, w = _gemm_inputs(m, n, k, dtype)
+        if op_name == "colstats":
+            return lambda: ops.gemm_colstats(x, w, precision)
+        a, c = torch.ones(n, device=CUDA), torch.zeros(n, device=CUDA)
+        return lambda: ops.gemm_affine(x, w, a, c, precision)
+
+    narrow = _cutlass_gemms(gemm(4096, 256, 64))
+    small_batch = _cutlass_gemms(gemm(128, 256, 64))
+    wide = _cutlass_gemms(gemm(1024, 4096, 128))
+    assert len(narrow) == len(small_batch) == len(wide) == 1, (narrow, small_batch, wide)
+    # The rule: wide tiles x (2 in 16 bits, 4 in fp32) <= SMs (32 tiles: every H100 / H200 in 16
+    # bits; in fp32 those with >= 128 SMs).
+    sms = torch.cuda.get_device_properties(CUDA).multi_processor_count
+    assert (narrow == small_batch) == ((4 if kind == "tf32" else 2) * 32 <= sms)
+    assert wide != small_batch
+
+
 # Shapes reaching each eval kernel form: the portable GEMM and pass (3, 17, 5: misaligned K), the
 # transposed small-batch tiles (40, 1000, 64), the 128x256 tiles (2100, 2304, 64), stream-K
 # (512, 4096, 512).

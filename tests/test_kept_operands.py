@@ -182,7 +182,7 @@ def test_training_steps_see_every_weight_and_input_update():
     CUDA graphs or pinned loading). Every step's dX and dW must follow both. The backward's products
     read W^T and x^T, views made below autograd whose version counters no such write bumps: a kept
     split of them returned the first weight's dX and the first batch's dW from the third step on."""
-    from helpers import init_args, make_pair
+    from helpers import FUSED_NODE, init_args, make_pair
 
     ref, new = make_pair(84, init_args(84, 2048, 1024))  # 512 x 2048 -> 1024: the split pays
     ref, new = ref.to(CUDA).train(), new.to(CUDA).train()
@@ -198,7 +198,12 @@ def test_training_steps_see_every_weight_and_input_update():
             for model, x in ((ref, x_ref), (new, x_new)):
                 model.zero_grad(set_to_none=True)
                 xr = x.requires_grad_()
-                model(xr).backward(grad)
+                y = model(xr)
+                if model is new:  # the fused head ran, its backward on split (3xTF32) GEMMs
+                    assert y.grad_fn.name() == FUSED_NODE
+                    assert any("split_tf32" in k for k in _kernels(lambda: y.backward(grad)))
+                else:
+                    y.backward(grad)
                 grads.append((xr.grad.clone(), model.gemm.weight.grad.clone()))
                 xr.grad = None
                 x.requires_grad_(False)

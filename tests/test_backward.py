@@ -434,8 +434,9 @@ def test_kernels_match_fold(dtype, shape, softmax):
                                          ((4096, 4096), False), ((1000, 4097), False)], ids=str)
 def test_sums_split_the_rows_of_narrow_problems_only(shape, split):
     """head_grad_sums splits the rows where its column bands leave SMs idle and adds the splits in
-    a second kernel (head_backward.cu, sums_row_splits); bands that fill the SMs run one split, and
-    fewer than 2048 rows never split. (The cases assume 114-132 SMs: H100 PCIe/SXM, H200.)"""
+    sum_tile_partials (head_backward.cu, sums_row_splits); bands that fill the SMs run one split,
+    and fewer than 2048 rows never split. The row count (the last element) is written either way.
+    (The cases assume 114-132 SMs: H100 PCIe/SXM, H200.)"""
     g = torch.Generator(device=CUDA).manual_seed(3)
     grad, z = (torch.randn(*shape, device=CUDA, generator=g) for _ in range(2))
     ops.head_grad_sums(grad, None, None, z)
@@ -445,8 +446,9 @@ def test_sums_split_the_rows_of_narrow_problems_only(shape, split):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert any("head_grad_sums_kernel" in k for k in kernels), kernels
-    assert any("sum_split_partials" in k for k in kernels) == split, kernels
+    assert any("sum_tile_partials" in k for k in kernels) == split, kernels
     assert rel_err(sums[:-1], fold.grad_sums(grad, None, z)[:-1]) < 1e-5
+    assert sums[-1].item() == shape[0]
 
 
 @pytest.mark.hopper

@@ -143,3 +143,47 @@ def test_variants_on_gpu_no_farther_from_float64_than_eager(variant, training):
     # running statistics updated as BatchNorm's (or not at all)
     assert_no_farther_from_float64_than_eager(ref, new, x, grad, _assert_same_state,
                                               name_of=_head_name, bias_cancels=bias_cancels)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.hopper)])
+def test_stand_ins_of_an_affine_free_untracked_batchnorm_are_made_once(fused_on_cpu, device):
+    """affine=False and track_running_stats=False: the ops read ones / zeros in place of gamma,
+    beta and the running statistics. They are made once per (length, dtype, device) and kept,
+    not allocated and filled on every forward."""
+    _, new = _pair("affine=False,track_running_stats=False", softmax=False, device=device)
+    parts = head._parts(new)
+    first, second = head._bn_defaults(parts), head._bn_defaults(parts)
+    for name in ("gamma", "beta", "running_mean", "running_var"):
+        assert getattr(first, name) is getattr(second, name), name
+    assert torch.equal(first.gamma, torch.ones(OUT, device=device))
+    assert torch.equal(first.beta, torch.zeros(OUT, device=device))
+    assert first.running_var is first.gamma and first.running_mean is first.beta
+    # A scale-less chain head's ones(1) comes from the same place.
+    assert head.stand_in(1.0, 1, parts.weight) is head.stand_in(1.0, 1, parts.weight)
+
+
+@pytest.mark.hopper
+def test_stand_ins_first_made_in_a_cuda_graph_capture_are_not_kept():
+    """Under CUDA-graph capture a fill only runs at replay: a stand-in first made there must not
+    be kept for eager calls (they would read unfilled memory). The captured head still computes
+    the modules' result on replay."""
+    ref, new = _pair("affine=False,track_running_stats=False", softmax=False, device="cuda",
+                     in_f=256, out_f=384)
+    ref.eval(), new.eval()  # batch statistics in eval too (no running statistics)
+    x = torch.rand(512, 256, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        new(x)  # warm-up (as torch.cuda.graph asks): kernels and plans, stand-ins kept
+    torch.cuda.current_stream().wait_stream(side)
+    head._STAND_INS.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        y_static = new(x)
+    assert head._STAND_INS == {}, "a stand-in made during capture was kept"
+    graph.replay()
+    with torch.no_grad():
+        expected = ref(x)
+        assert rel_err(y_static, expected) < 1e-4
+        assert rel_err(new(x), expected) < 1e-4  # made (and kept) outside the capture
+    assert len(head._STAND_INS) == 2  # ones and zeros of length 384

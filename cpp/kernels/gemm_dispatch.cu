@@ -433,9 +433,10 @@ GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops
         c.M = plan.x_chunk;
         c.N = n_chunk;
         size_t bytes = kernel_and_workspace(split_problem(c, nullptr, nullptr), kernel);
+        // The ragged last chunks' (the full chunk's is `bytes` already).
         for (const int64_t m : {plan.x_chunk, p.M % plan.x_chunk}) {
           for (const int64_t n : {n_chunk, p.N % n_chunk}) {
-            if (m == 0 || n == 0) continue;
+            if (m == 0 || n == 0 || (m == plan.x_chunk && n == n_chunk)) continue;
             c.M = m;
             c.N = n;
             sm90::with_kernel(kernel, [&](auto cfg, auto tag) {

@@ -14,8 +14,8 @@
 // (a block owning both a row band and all its columns would hold N fp64 partial pairs).
 //
 // Determinism: the row term is reduced by a fixed shuffle tree and warp order; each column's sums
-// by one block per split of the rows in a fixed order (as column_stats.cu), then the splits in
-// split order; one-element scale gradients by fixed trees
+// by one block per split of the rows in a fixed order (as column_stats.cu), then the splits by
+// sum_tile_partials (a fixed order too); one-element scale gradients by fixed trees
 // over each column block, then over the blocks in block order (one atomic ticket only says which
 // block is last, not what is summed).
 #include <algorithm>
@@ -24,6 +24,7 @@
 
 #include "activation.cuh"
 #include "cuda_utils.cuh"
+#include "tile_partials.hpp"
 
 namespace epifuse {
 namespace {
@@ -175,7 +176,8 @@ constexpr int kCols = 32;
 
 template <class G, class Z, int kVec, bool kSoftmax, int kThreads, int kRowsInFlight>
 __global__ void __launch_bounds__(kThreads)
-head_grad_sums_kernel(GradOperands o, int64_t rows_per_split, double* __restrict__ sums) {
+head_grad_sums_kernel(GradOperands o, int64_t rows_per_split, double* __restrict__ sums,
+                      double* __restrict__ row_count) {
   constexpr int kLanesPerRow = kCols / kVec;
   constexpr int kRowGroups = kThreads / kLanesPerRow;
   constexpr int kWarps = kThreads / 32;
@@ -256,7 +258,7 @@ head_grad_sums_kernel(GradOperands o, int64_t rows_per_split, double* __restrict
   }
   __syncthreads();
   // One split: the sums themselves; several: split y's partials at sums + 2N * y (the scratch),
-  // which sum_split_partials_kernel adds in split order.
+  // which sum_tile_partials adds (S1 and S3 as its two statistics, the splits as its tiles).
   double* out = sums + 2 * o.N * int64_t(blockIdx.y);
   if (threadIdx.x < kCols && col0 + threadIdx.x < o.N) {
     double a = 0.0, b = 0.0;
@@ -267,20 +269,7 @@ head_grad_sums_kernel(GradOperands o, int64_t rows_per_split, double* __restrict
     out[col0 + threadIdx.x] = a;
     out[o.N + col0 + threadIdx.x] = b;
   }
-  if (gridDim.y == 1 && blockIdx.x == 0 && threadIdx.x == 0) sums[2 * o.N] = double(o.M);
-}
-
-// sums[i] = sum over the splits y = 0, 1, .. of partials[2N * y + i], in that order
-// (deterministic); sums[2N] = M.
-__global__ void sum_split_partials_kernel(const double* __restrict__ partials, int64_t n2,
-                                          int splits, int64_t rows, double* __restrict__ sums) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n2) {
-    double s = 0.0;
-    for (int y = 0; y < splits; ++y) s += partials[n2 * y + i];
-    sums[i] = s;
-  }
-  if (i == 0) sums[n2] = double(rows);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *row_count = double(o.M);
 }
 
 // Splits of the rows of each column band, for narrow problems whose bands leave SMs idle: as many
@@ -311,15 +300,14 @@ void launch_sums(const GradOperands& o, double* sums, double* partials, int spli
   // 256 bands, 22.3 us against 23.8 with 512). Either way 2048 row vectors per block in flight.
   if (uint64_t(bands) * unsigned(splits) > unsigned(sm_count(current_device()))) {
     head_grad_sums_kernel<G, Z, kVec, kSoftmax, 256, 8>
-        <<<grid, 256, 0, stream>>>(o, rows_per_split, out);
+        <<<grid, 256, 0, stream>>>(o, rows_per_split, out, sums + 2 * o.N);
   } else {
     head_grad_sums_kernel<G, Z, kVec, kSoftmax, 512, 4>
-        <<<grid, 512, 0, stream>>>(o, rows_per_split, out);
+        <<<grid, 512, 0, stream>>>(o, rows_per_split, out, sums + 2 * o.N);
   }
   if (splits > 1) {
-    const int64_t n2 = 2 * o.N;
-    sum_split_partials_kernel<<<unsigned((n2 + 255) / 256), 256, 0, stream>>>(partials, n2, splits,
-                                                                                o.M, sums);
+    // Split y's [S1 | S3] at partials + 2N * y: S1 and S3 as the two statistics of `splits` tiles.
+    sum_tile_partials(o.N, splits, 2 * o.N, partials, partials + o.N, sums, sums + o.N, stream);
   }
 }
 

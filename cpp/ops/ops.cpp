@@ -82,18 +82,20 @@ at::Tensor rows_with_unit_stride(const at::Tensor& t) {
   return ok ? t : t.contiguous();
 }
 
+// Whether a product's 3xTF32 split of w may be kept while w's version is unchanged
+// (weight_split_cache.h). Every caller says which, no default: kMayKeep only for a layer's weight as
+// the op's caller passed it. The backward's products pass kNeverKeep: their w is W^T or x^T, a view
+// made here below autograd's ADInplaceOrView (so with a version counter of its own, which no write
+// to the weight bumps: a kept split of it went stale after the first optimizer step), of an
+// activation or of a weight that changes every step (a kept split would only pin 2x its bytes).
+enum class WeightSplit { kMayKeep, kNeverKeep };
+
 struct PreparedGemm {
   GemmProblem problem;
   Epilogue epilogue = Epilogue::kAffine;
   int device = 0, cc_major = 0, cc_minor = 0;
   at::Tensor x, w, out;  // keep the (possibly copied) operands alive
-  // Whether w is a layer's weight as the caller passed it, whose 3xTF32 split may be kept while
-  // its version is unchanged (weight_split_cache.h). The backward's products pass false: their w
-  // is W^T or x^T, a view made here below autograd's ADInplaceOrView (so with a version counter of
-  // its own, which no write to the weight bumps: a kept split of it went stale after the first
-  // optimizer step), of an activation or of a weight that changes every step (a kept split would
-  // only pin 2x its bytes).
-  bool w_is_layer_weight = true;
+  WeightSplit w_split = WeightSplit::kNeverKeep;
 };
 
 void bind_operands(PreparedGemm& g) {
@@ -121,7 +123,7 @@ void copy_operands(PreparedGemm& g, const GemmPlan& plan) {
 // x [M, K] . w [N, K]^T -> out [M, N] (dtype of x) in `precision`, the operands bound as the
 // caller passed them (views included); the plan says which to copy (run_gemm).
 PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const std::string& precision,
-                          Epilogue epilogue, const char* op) {
+                          Epilogue epilogue, WeightSplit w_split, const char* op) {
   EPIFUSE_CHECK(x_in.dim() == 2, "epifuse::", op, ": expected x to be 2-D [M, K], got ",
               x_in.dim(), "-D");
   EPIFUSE_CHECK(w_in.dim() == 2, "epifuse::", op, ": expected weight to be 2-D [N, K], got ",
@@ -136,6 +138,7 @@ PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const 
   const DType dtype = to_dtype(x_in, op);
   PreparedGemm g;
   g.epilogue = epilogue;
+  g.w_split = w_split;
   g.device = x_in.get_device();
   std::tie(g.cc_major, g.cc_minor) = compute_capability(g.device);
   const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
@@ -192,7 +195,7 @@ void run_gemm(PreparedGemm& g, const GemmPlan& plan, const EpilogueOperands& ops
     return;
   }
   at::Tensor w_split;  // kept alive until the GEMM is enqueued
-  if (plan.splits_operands && g.w_is_layer_weight) {
+  if (plan.splits_operands && g.w_split == WeightSplit::kMayKeep) {
     w_split = cached_weight_split(g.w, g.problem, current_stream());
     g.problem.w_split = w_split.defined() ? w_split.data_ptr<float>() : nullptr;
   }
@@ -229,7 +232,8 @@ at::Tensor gemm_affine_cuda(const at::Tensor& x, const at::Tensor& weight, const
   const char* op = "gemm_affine";
   const Activation act = activation_from_name(activation, negative_slope, op);
   const auto guard = guard_for(x, op, "x");
-  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), Epilogue::kAffine, op);
+  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), Epilogue::kAffine,
+                                WeightSplit::kMayKeep, op);
   const at::Tensor a32 = column_vector(a, g.problem.N, op, "a", x);
   const at::Tensor c32 = column_vector(c, g.problem.N, op, "c", x);
   EpilogueOperands ops;
@@ -245,7 +249,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_colstats_cuda(const at::Tens
                                                                   c10::string_view precision) {
   const char* op = "gemm_colstats";
   const auto guard = guard_for(x, op, "x");
-  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), Epilogue::kColumnStats, op);
+  PreparedGemm g = prepare_gemm(x, weight, std::string(precision), Epilogue::kColumnStats,
+                                WeightSplit::kMayKeep, op);
   auto stats_options = g.x.options().dtype(at::kDouble);
   at::Tensor colsum = at::empty({g.problem.N}, stats_options);
   at::Tensor colsumsq = at::empty({g.problem.N}, stats_options);
@@ -737,8 +742,8 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   // K-major copies of MN-major operands (cublas_tf32_k_major_copies says when and what it measured).
   // Our own TF32 kernel needs K-major operands too: with such copies (then Tensor::contiguous),
   // problem 84's TF32 training step took 2.31 ms against 1.60 ms with cuBLAS's (H100).
-  PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine, op);
-  g.w_is_layer_weight = false;
+  PreparedGemm g = prepare_gemm(a, b.t(), std::string(precision), Epilogue::kAffine,
+                                WeightSplit::kNeverKeep, op);
   const EpilogueOperands plain;  // a = c = null: the plain product
   const GemmPlan plan = plan_gemm(g, plain);
   if (plan.splits_operands) {

@@ -16,7 +16,7 @@
 // autograd's ADInplaceOrView key, gets a version counter of its own that no write to its base bumps:
 // the backward's products (W^T for dX, x^T for dW) are such views, and keeping their splits
 // returned stale gradients after the first optimizer step; they never keep (ops.cpp,
-// PreparedGemm::w_is_layer_weight).
+// WeightSplit).
 // Streams: an operand is made on the caller's stream; a caller on another stream waits for it (an
 // event recorded after it was made) and the allocator is told that stream uses it (record_stream),
 // so neither a read before it is written nor a reuse of its memory while that stream reads it.

@@ -266,6 +266,26 @@ def _batch_statistics(parts: _Parts) -> bool:
     return parts.bn.training or parts.running_mean is None
 
 
+# Constant stand-ins the ops read in place of an absent tensor (ones, zeros), by (value, length,
+# dtype, device). Read-only: no op writes them and none requires grad, so heads share them.
+_STAND_INS: dict[tuple[float, int, torch.dtype, torch.device], Tensor] = {}
+
+
+def stand_in(value: float, n: int, like: Tensor) -> Tensor:
+    """A length-``n`` tensor of ``value`` with ``like``'s dtype and device, made once and kept: an
+    affine-free BatchNorm's head otherwise allocated and filled two of them per forward (two fill
+    kernels and their host time). Made afresh (not kept) while a CUDA graph is being captured,
+    where the fill would only run at replay, and while torch.compile traces."""
+    key = (value, n, like.dtype, like.device)
+    t = _STAND_INS.get(key)
+    if t is None:
+        t = torch.full((n,), value, dtype=like.dtype, device=like.device)
+        capturing = like.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not torch.compiler.is_compiling():
+            _STAND_INS[key] = t
+    return t
+
+
 def _bn_defaults(parts: _Parts) -> _Parts:
     """The BatchNorm variants as the ops take them: affine=False is weight 1 and bias 0, and
     without running statistics (track_running_stats=False) the ops get mean 0 / variance 1
@@ -274,8 +294,7 @@ def _bn_defaults(parts: _Parts) -> _Parts:
         return parts
     like = parts.weight
     n = parts.bn.num_features
-    ones = torch.ones(n, dtype=like.dtype, device=like.device)
-    zeros = torch.zeros(n, dtype=like.dtype, device=like.device)
+    ones, zeros = stand_in(1.0, n, like), stand_in(0.0, n, like)
     if parts.gamma is None:
         parts = parts._replace(gamma=ones, beta=zeros)
     if parts.running_mean is None:

@@ -15,7 +15,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ..head import apply_activation, has_module_hooks, run_head, softmax_module_changed
+from ..head import (apply_activation, has_module_hooks, run_head, softmax_module_changed,
+                    stand_in)
 from ..nn import DEFAULT_NEGATIVE_SLOPE, HeadModule, activation_of_module, head_body_reference
 
 
@@ -56,7 +57,6 @@ class FusedChain(HeadModule):
         self._activation_slot, self._softmax_slot = activation_module, softmax_module
         self.has_scale = scale is not None
         self.where = where
-        self._unit: dict[tuple[torch.dtype, torch.device], Tensor] = {}
         self._configure(scale_position, softmax_dim, precision, activation, negative_slope)
 
     @property
@@ -72,12 +72,7 @@ class FusedChain(HeadModule):
         if self._scale_slot is not None:
             return self._scale_slot.get()
         # No scale in the model: the head's math takes a ones(1) like the weight (exact).
-        weight = self.gemm.weight
-        key = (weight.dtype, weight.device)
-        unit = self._unit.get(key)
-        if unit is None:
-            unit = self._unit[key] = torch.ones(1, dtype=weight.dtype, device=weight.device)
-        return unit
+        return stand_in(1.0, 1, self.gemm.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self._modules_changed():

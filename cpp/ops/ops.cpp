@@ -756,18 +756,15 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
     cublas_product(g);
     return g.out;
   }
-  if (copies.w_chunk == 0) {
-    g.w = k_major_copy(g.w);
-    cublas_product(g);
-    return g.out;
-  }
-  // w's copy chunk by chunk (its rows are the output's columns): one chunk's copy at a time.
+  // w's copy chunk by chunk (its rows are the output's columns): one chunk's copy at a time; one
+  // chunk (w_chunk 0) takes w and the output whole, no views.
   const at::Tensor w = g.w, out = g.out;
-  for (int64_t c0 = 0; c0 < w.size(0); c0 += copies.w_chunk) {
-    const int64_t n = std::min(copies.w_chunk, w.size(0) - c0);
+  const int64_t rows = w.size(0), chunk = copies.w_chunk > 0 ? copies.w_chunk : rows;
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+    const int64_t n = std::min(chunk, rows - c0);
     g.w = at::Tensor();  // the previous chunk's copy freed first: its block serves the next
-    g.w = k_major_copy(w.narrow(0, c0, n));
-    g.out = out.narrow(1, c0, n);
+    g.w = k_major_copy(n == rows ? w : w.narrow(0, c0, n));
+    g.out = n == rows ? out : out.narrow(1, c0, n);
     cublas_product(g);
   }
   return out;

@@ -298,8 +298,8 @@ struct GradOperands {
 void softmax_grad_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream);
 
 // sums[0:N] = S1 = sum_m dv, sums[N:2N] = S3 = sum_m dv * z (fp64; each column's rows reduced in
-// splits of rows by one block each, in a fixed order, then the splits in split order:
-// deterministic), sums[2N] = M. scratch: head_grad_sums_scratch_bytes(o) bytes (the splits'
+// splits of rows by one block each, in a fixed order, then the splits by sum_tile_partials, in its
+// fixed order: deterministic), sums[2N] = M. scratch: head_grad_sums_scratch_bytes(o) bytes (the splits'
 // partials; null when 0). Launches nothing when N == 0.
 size_t head_grad_sums_scratch_bytes(const GradOperands& o);
 void head_grad_sums(const GradOperands& o, double* sums, void* scratch, cudaStream_t stream);

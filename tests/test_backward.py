@@ -658,21 +658,31 @@ def _copies_in(fn) -> int:
     return sum(1 for e in prof.events() if "transpose_tiles_kernel" in e.name)
 
 
+# case: (rows, n_out, n_in, dtype, K-major copies expected); gemm_dispatch.cu's
+# cublas_tf32_k_major_copies says why each.
+_COPY_CASES = {
+    "dW": (2304, 2048, 2048, torch.float32, 1),         # both MN-major: one copy (a tie: X^T)
+    "dW-narrow": (2304, 256, 2048, torch.float32, 1),   # both MN-major: dZ^T, the smaller
+    "dX": (2304, 2048, 2048, torch.float32, 0),         # W MN-major, few rows: cuBLAS as is
+    "dX-many-rows": (8192, 2048, 2048, torch.float32, 1),  # W MN-major, 8192 rows: W^T copied
+    "small": (256, 384, 512, torch.float32, 0),
+    "bf16": (2304, 2048, 2048, torch.bfloat16, 0),
+}
+
+
 @pytest.mark.hopper
-@pytest.mark.parametrize("case", ["dW", "dX", "small", "bf16"])
+@pytest.mark.parametrize("case", list(_COPY_CASES))
 def test_backward_matmul_k_major_copies(case):
     """TF32 products with MN-major operands copy them K-major where that pays (gemm_dispatch.cu,
     cublas_tf32_k_major_copies), with the same result as cuBLAS on the views."""
     g = torch.Generator(device=CUDA).manual_seed(3)
-    rows, n_out, n_in = (256, 384, 512) if case == "small" else (2304, 2048, 2048)
-    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    rows, n_out, n_in, dtype, expected_copies = _COPY_CASES[case]
     dz = torch.randn(rows, n_out, device=CUDA, generator=g).to(dtype)
     x = torch.rand(rows, n_in, device=CUDA, generator=g).to(dtype)
     w = torch.randn(n_out, n_in, device=CUDA, generator=g).to(dtype)
     # dW = dz^T . x (both MN-major); dX = dz . W (W MN-major)
-    a, b = (dz, w) if case == "dX" else (dz.t(), x)
+    a, b = (dz, w) if case.startswith("dX") else (dz.t(), x)
     precision = "tf32" if dtype == torch.float32 else ""
-    expected_copies = {"dW": 2, "dX": 1, "small": 0, "bf16": 0}[case]
     out = []
     assert _copies_in(lambda: out.append(ops.backward_matmul(a, b, precision))) == expected_copies
     exact = a.double() @ b.double()

@@ -472,14 +472,22 @@ size_t gemm_workspace_bytes(const GemmPlan& plan, const GemmProblem& p) {
                                                       : plan.workspace_bytes;
 }
 
-// TF32 wgmma reads only K-major tiles, so cuBLAS runs an fp32 product with an MN-major operand on a
-// slower kernel (it transposes in shared memory). A K-major copy of an operand reads and writes it
-// once (8 bytes per element); it pays where that is under a quarter of the product at ~400 TFLOP/s:
-// copying x [M, K] costs 8MK bytes against 2MNK flops, i.e. when N >= ~1900 (w [N, K]: when
-// M >= ~1900). That keeps problem 84's dX (M = 1024: cuBLAS's MN-major kernel is fast there) and
-// copies the rest. The copy must be a tiled transpose (transpose.cu): Tensor::contiguous of the
-// transposed views gained nothing. Measurements: BENCHMARKS.md, "Kernel selection".
+// TF32 wgmma reads only K-major tiles, so cuBLAS multiplies MN-major fp32 operands on slower
+// kernels; how much slower depends on which operand is MN-major (H200, cuBLAS 13, the backward's
+// shapes; benchmarks/kernels/tf32_operand_layouts.cu, BENCHMARKS.md "K-major copies for cuBLAS
+// TF32"):
+//   - both (dW = dZ^T . X): 1.5-1.6x the K-major product at every shape measured. One copy
+//     suffices: the smaller operand's (a tie: w's), since x MN-major alone costs at most 1.08x;
+//   - w alone (dX = dZ . W): 1.02x at M = 4096 rows, 1.13-1.15x from M = 8192. w is copied from
+//     kWCopyMinRows rows: at 4096 x 4096 x 4096 its copy costs 47 us against 7 us saved, at
+//     8192 x 4096 x 4096 it saves 48 us;
+//   - x alone: 0.96-1.08x, never more than its copy would cost: not copied.
+// A copy reads and writes the operand once (8 bytes per element) and pays only where that is small
+// beside the product: copying x [M, K] costs 8MK bytes against 2MNK flops, so not below N = 2048
+// (w [N, K]: M = 2048), which keeps small products on cuBLAS's MN-major kernels. The copy must be a
+// tiled transpose (transpose.cu): Tensor::contiguous of the transposed views gained nothing.
 constexpr int64_t kKMajorCopyMinOther = 2048;
+constexpr int64_t kWCopyMinRows = 8192;
 
 // EPIFUSE_TF32_K_MAJOR_COPIES=0 turns the copies off (to measure them); read once.
 static bool k_major_copies_enabled() {
@@ -496,8 +504,16 @@ KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int cc_major, int 
   const bool hopper_tf32 = p.dtype == DType::kFloat32 && p.math == MathMode::kTF32 &&
                            cc_major == 9 && cc_minor == 0;
   if (!hopper_tf32 || !k_major_copies_enabled()) return copies;
-  copies.x = p.x_col_stride != 1 && p.N >= kKMajorCopyMinOther;
-  copies.w = p.w_col_stride != 1 && p.M >= kKMajorCopyMinOther;
+  const bool x_mn = p.x_col_stride != 1, w_mn = p.w_col_stride != 1;
+  if (x_mn && w_mn) {  // copy the smaller one
+    if (p.M < p.N) {
+      copies.x = p.N >= kKMajorCopyMinOther;
+    } else {
+      copies.w = p.M >= kKMajorCopyMinOther;
+    }
+  }
+  // w left MN-major beside a K-major x: copied for many rows only.
+  if (w_mn && !copies.w && (copies.x || !x_mn) && p.M >= kWCopyMinRows) copies.w = true;
   // w's copy in chunks of its rows (copy_chunk_rows): dW's copy of x^T at problem 39's size is
   // 256 MiB, two chunks of 2048 rows (the product's output columns), each 128 x 16 of cuBLAS's
   // 128x256 tiles.

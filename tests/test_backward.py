@@ -430,15 +430,20 @@ def test_kernels_match_fold(dtype, shape, softmax):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("shape,split", [((4096, 256), True), ((2048, 1024), True),
-                                         ((4096, 4096), False), ((1000, 4097), False)], ids=str)
-def test_sums_split_the_rows_of_narrow_problems_only(shape, split):
-    """head_grad_sums splits the rows where its column bands leave SMs idle and adds the splits in
-    sum_tile_partials (head_backward.cu, sums_row_splits); bands that fill the SMs run one split,
-    and fewer than 2048 rows never split. The row count (the last element) is written either way.
-    (The cases assume 114-132 SMs: H100 PCIe/SXM, H200.)"""
+@pytest.mark.parametrize("shape,dtype,split", [
+    ((4096, 256), torch.float32, True), ((2048, 1024), torch.float32, True),
+    ((4096, 4096), torch.float32, False), ((1000, 4097), torch.float32, False),
+    # 16-bit bands are 64 columns wide: 4096 columns are 64 bands, two splits of 2048 rows
+    ((4096, 4096), torch.bfloat16, True), ((1000, 4096), torch.bfloat16, False),
+    ((4096, 8192), torch.float16, False)], ids=str)
+def test_sums_split_the_rows_of_narrow_problems_only(shape, dtype, split):
+    """head_grad_sums splits the rows where its column bands (32 columns of fp32, 64 of 16-bit
+    types) leave SMs idle and adds the splits in sum_tile_partials (head_backward.cu,
+    sums_row_splits); bands that fill the SMs run one split, and fewer than 2048 rows never split.
+    The row count (the last element) is written either way. (The cases assume 114-132 SMs: H100
+    PCIe/SXM, H200.)"""
     g = torch.Generator(device=CUDA).manual_seed(3)
-    grad, z = (torch.randn(*shape, device=CUDA, generator=g) for _ in range(2))
+    grad, z = (torch.randn(*shape, device=CUDA, generator=g).to(dtype) for _ in range(2))
     ops.head_grad_sums(grad, None, None, z)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

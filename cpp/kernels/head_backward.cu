@@ -172,12 +172,20 @@ void launch_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream) {
 // 84's (softmax, 1024 x 8192) in 22.3 us against 25.0 (H100, each kernel alone on inputs that miss L2).
 // The fp32 partials cover kRowsInFlight terms: their rounding (2^-24 relative per add) is far below
 // the fp32 accumulation over all rows that PyTorch's BatchNorm backward does.
-constexpr int kCols = 32;
+//
+// A band is 8 lanes' vectors wide (fp32: 32 columns, 16-bit: 64), so that each row's piece of a
+// 16-byte-vector operand is a whole 128-byte line. With 32 columns of bf16 (64 bytes a row) the
+// same bytes in flight took twice the lines in flight and ran at half the bandwidth of fp32:
+// 4096 x 4096 bf16 sums 41 us (1.6 TB/s) against 40.6 us for twice the bytes in fp32 (H200,
+// projection MLP training steps). Unvectorized operands (kVec 1) keep 32 lanes on 32 columns.
+template <int kVec>
+constexpr int kSumsCols = kVec == 1 ? 32 : 8 * kVec;
 
 template <class G, class Z, int kVec, bool kSoftmax, int kThreads, int kRowsInFlight>
 __global__ void __launch_bounds__(kThreads)
 head_grad_sums_kernel(GradOperands o, int64_t rows_per_split, double* __restrict__ sums,
                       double* __restrict__ row_count) {
+  constexpr int kCols = kSumsCols<kVec>;
   constexpr int kLanesPerRow = kCols / kVec;
   constexpr int kRowGroups = kThreads / kLanesPerRow;
   constexpr int kWarps = kThreads / 32;
@@ -280,8 +288,8 @@ head_grad_sums_kernel(GradOperands o, int64_t rows_per_split, double* __restrict
 // (89 against 41 us) and no faster in fp32: wider problems keep one split.
 constexpr int64_t kMinRowsPerSplit = 1024;
 
-int sums_row_splits(const GradOperands& o) {
-  const int64_t bands = (o.N + kCols - 1) / kCols;
+int sums_row_splits(const GradOperands& o, int cols) {
+  const int64_t bands = (o.N + cols - 1) / cols;
   const int64_t want = int64_t(sm_count(current_device())) / bands;
   const int64_t most = std::max<int64_t>(o.M / kMinRowsPerSplit, 1);
   return int(std::max<int64_t>(1, std::min({want, most, int64_t(65535)})));
@@ -290,6 +298,7 @@ int sums_row_splits(const GradOperands& o) {
 template <class G, class Z, int kVec, bool kSoftmax>
 void launch_sums(const GradOperands& o, double* sums, double* partials, int splits,
                  cudaStream_t stream) {
+  constexpr int kCols = kSumsCols<kVec>;
   const unsigned bands = unsigned((o.N + kCols - 1) / kCols);
   const int64_t rows_per_split = (o.M + splits - 1) / splits;
   double* out = splits > 1 ? partials : sums;
@@ -444,13 +453,34 @@ head_grad_coefficients_kernel(GradCoefficientProblem p) {
 
 // ---- dz ---------------------------------------------------------------------------------------
 // column_affine.cu's layout: a thread owns one vector of columns (its A, B, C loaded once) and
-// streams a band of rows.
+// streams a band of rows, kZRows of them loaded (as raw vectors) before any is used. One row at a
+// time kept too little in flight where registers limit the blocks: 16-bit operands give a thread
+// 8 columns, whose coefficients take ~76 registers (3 blocks an SM, 24 KiB of loads in flight), and
+// 4096 x 4096 bf16 ran at 2.3 TB/s (42 us) where fp32 (5 blocks) ran at 3.6 (H200, projection MLP
+// training steps). The softmax form (which also reads out and the row term) keeps one row.
 constexpr int kZThreads = 256;
+template <int kVec, bool kSoftmax>
+constexpr int kZRows = kVec > 1 && !kSoftmax ? 4 : 1;
+
+template <class Z, int kVec>
+__device__ __forceinline__ void store_dz(Z* dst, const float (&A)[kVec], const float (&B)[kVec],
+                                         const float (&C)[kVec], const float (&dv)[kVec],
+                                         const float (&z)[kVec]) {
+  if constexpr (kVec > 1) {
+    Vec<Z, kVec> v;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v.v[j] = from_float<Z>(fmaf(A[j], dv[j], fmaf(B[j], z[j], C[j])));
+    *reinterpret_cast<Vec<Z, kVec>*>(dst) = v;
+  } else {
+    *dst = from_float<Z>(fmaf(A[0], dv[0], fmaf(B[0], z[0], C[0])));
+  }
+}
 
 template <class G, class Z, int kVec, bool kSoftmax>
 __global__ void __launch_bounds__(kZThreads)
 head_grad_z_kernel(GradOperands o, const float* __restrict__ coef, Z* __restrict__ dz,
                    int64_t ld_dz, int64_t rows_per_block) {
+  constexpr int kRows = kZRows<kVec, kSoftmax>;
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
   if (col >= o.N) return;  // kVec > 1 implies N % kVec == 0
   float A[kVec], B[kVec], C[kVec];
@@ -463,31 +493,56 @@ head_grad_z_kernel(GradOperands o, const float* __restrict__ coef, Z* __restrict
   const ActivationGrad<kVec> act_grad(o, col);
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
   const int64_t r1 = std::min<int64_t>(o.M, r0 + rows_per_block);
-  for (int64_t row = r0; row < r1; ++row) {
+  int64_t row = r0;
+  if constexpr (kRows > 1) {
+    const G* g = static_cast<const G*>(o.g) + col;
+    const Z* zp = static_cast<const Z*>(o.z) + col;
+    for (; row + kRows <= r1; row += kRows) {
+      RowVec<G, kVec> gv[kRows];
+      RowVec<Z, kVec> zv[kRows];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        gv[i].load(g + (row + i) * o.ld_g);
+        zv[i].load(zp + (row + i) * o.ld_z);
+      }
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        float dv[kVec], z[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          z[j] = zv[i][j];
+          dv[j] = act_grad(gv[i][j], z[j], j);
+        }
+        store_dz<Z, kVec>(dz + (row + i) * ld_dz + col, A, B, C, dv, z);
+      }
+    }
+  }
+  for (; row < r1; ++row) {
     float dv[kVec], z[kVec];
     load_dv_z<G, Z, kVec, kSoftmax>(o, row, col, dv, z);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) dv[j] = act_grad(dv[j], z[j], j);
-    Z* dst = dz + row * ld_dz + col;
-    if constexpr (kVec > 1) {
-      Vec<Z, kVec> v;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) v.v[j] = from_float<Z>(fmaf(A[j], dv[j], fmaf(B[j], z[j], C[j])));
-      *reinterpret_cast<Vec<Z, kVec>*>(dst) = v;
-    } else {
-      *dst = from_float<Z>(fmaf(A[0], dv[0], fmaf(B[0], z[0], C[0])));
-    }
+    store_dz<Z, kVec>(dz + row * ld_dz + col, A, B, C, dv, z);
   }
 }
 
 template <class G, class Z, int kVec, bool kSoftmax>
 void launch_z(const GradOperands& o, const float* coef, Z* dz, int64_t ld_dz, cudaStream_t stream) {
+  constexpr int kRows = kZRows<kVec, kSoftmax>;
   const int64_t vecs = o.N / kVec;
   const int64_t col_blocks = (vecs + kZThreads - 1) / kZThreads;
-  // About 2048 resident threads per SM, bands of at least 4 rows (as column_affine.cu).
+  // One wave of the blocks that fit (the registers decide how many), bands of at least kRows rows
+  // (at least 4).
+  static const int per_sm = [] {
+    int n = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, head_grad_z_kernel<G, Z, kVec, kSoftmax>,
+                                                  kZThreads, 0);
+    return std::max(n, 1);
+  }();
   const int64_t sms = std::max(sm_count(current_device()), 1);
-  const int64_t want = std::max<int64_t>(1, sms * (2048 / kZThreads) / col_blocks);
-  const int64_t bands = std::min<int64_t>({want, (o.M + 3) / 4, 65535});
+  const int64_t want = std::max<int64_t>(1, sms * per_sm / col_blocks);
+  const int64_t min_rows = std::max(kRows, 4);
+  const int64_t bands = std::min<int64_t>({want, (o.M + min_rows - 1) / min_rows, 65535});
   const int64_t rows_per_block = (o.M + bands - 1) / bands;
   const dim3 grid(unsigned(col_blocks), unsigned((o.M + rows_per_block - 1) / rows_per_block));
   head_grad_z_kernel<G, Z, kVec, kSoftmax><<<grid, kZThreads, 0, stream>>>(o, coef, dz, ld_dz,
@@ -517,6 +572,14 @@ void dispatch_grad(const GradOperands& o, bool extra_vectorizable, Fn&& fn) {
   });
 }
 
+// The band width head_grad_sums will run these operands with (kSumsCols of their vector width).
+int sums_cols(const GradOperands& o) {
+  int cols = 32;
+  dispatch_grad(o, true,
+                [&](auto, auto, auto width, auto) { cols = kSumsCols<decltype(width)::value>; });
+  return cols;
+}
+
 }  // namespace
 
 void softmax_grad_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream) {
@@ -529,13 +592,13 @@ void softmax_grad_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stre
 
 size_t head_grad_sums_scratch_bytes(const GradOperands& o) {
   if (o.N == 0) return 0;
-  const int splits = sums_row_splits(o);
+  const int splits = sums_row_splits(o, sums_cols(o));
   return splits > 1 ? sizeof(double) * size_t(2 * o.N) * size_t(splits) : 0;
 }
 
 void head_grad_sums(const GradOperands& o, double* sums, void* scratch, cudaStream_t stream) {
   if (o.N == 0) return;  // the op layer writes the lone row count
-  const int splits = sums_row_splits(o);
+  const int splits = sums_row_splits(o, sums_cols(o));
   if (splits > 1 && scratch == nullptr) throw std::runtime_error("head_grad_sums: scratch is null");
   dispatch_grad(o, true, [&](auto g_tag, auto z_tag, auto width, auto softmax) {
     launch_sums<decltype(g_tag), decltype(z_tag), decltype(width)::value, decltype(softmax)::value>(

@@ -36,27 +36,32 @@ column_affine_kernel(int64_t M, int64_t N, const T* in, int64_t ld_in, O* out, i
   const T* src = in + col0;
   O* dst = out + col0;
   auto load = [&](int64_t r, Vec<T, kVec>& v) { v = *reinterpret_cast<const Vec<T, kVec>*>(src + r * ld_in); };
-  auto apply_store = [&](int64_t r, const Vec<T, kVec>& v) {
-    Vec<O, kVec> o;
+  // The activation's kind a compile-time constant in the row loop (activation.cuh,
+  // dispatch_activation): one branch per thread, not per element.
+  dispatch_activation(act.kind, [&](auto kind) {
+    const Activation k{decltype(kind)::value, act.negative_slope};
+    auto apply_store = [&](int64_t r, const Vec<T, kVec>& v) {
+      Vec<O, kVec> o;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      o.v[j] = from_float<O>(activate(act, av[j] * to_float(v.v[j]) + cv[j]));
+      for (int j = 0; j < kVec; ++j) {
+        o.v[j] = from_float<O>(activate(k, av[j] * to_float(v.v[j]) + cv[j]));
+      }
+      *reinterpret_cast<Vec<O, kVec>*>(dst + r * ld_out) = o;
+    };
+    int64_t r = r0;
+    for (; r + kUnroll <= r1; r += kUnroll) {
+      Vec<T, kVec> v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) load(r + u, v[u]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) apply_store(r + u, v[u]);
     }
-    *reinterpret_cast<Vec<O, kVec>*>(dst + r * ld_out) = o;
-  };
-  int64_t r = r0;
-  for (; r + kUnroll <= r1; r += kUnroll) {
-    Vec<T, kVec> v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load(r + u, v[u]);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) apply_store(r + u, v[u]);
-  }
-  for (; r < r1; ++r) {
-    Vec<T, kVec> v;
-    load(r, v);
-    apply_store(r, v);
-  }
+    for (; r < r1; ++r) {
+      Vec<T, kVec> v;
+      load(r, v);
+      apply_store(r, v);
+    }
+  });
 }
 
 // One element: unaligned rows.

@@ -72,22 +72,28 @@ __device__ __forceinline__ void load_dv_z(const GradOperands& o, int64_t row, in
 }
 
 // The activation's factor of dv, act'(a[n] * z + c[n]), for one thread's kVec columns (a and c
-// loaded once). Without an activation nothing is loaded and dv passes through (a uniform branch).
-template <int kVec>
+// loaded once), its kind a compile-time constant (dispatch_activation: no switch per element).
+// Without an activation nothing is loaded and dv passes through.
+template <int kVec, ActivationKind kKind>
 struct ActivationGrad {
-  Activation act;
+  float negative_slope;
   float a[kVec] = {}, c[kVec] = {};
-  __device__ __forceinline__ ActivationGrad(const GradOperands& o, int64_t col) : act(o.act) {
-    if (act.kind == ActivationKind::kNone) return;
+  __device__ __forceinline__ ActivationGrad(const GradOperands& o, int64_t col)
+      : negative_slope(o.act.negative_slope) {
+    if constexpr (kKind != ActivationKind::kNone) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      a[j] = __ldg(o.a + col + j);
-      c[j] = __ldg(o.c + col + j);
+      for (int j = 0; j < kVec; ++j) {
+        a[j] = __ldg(o.a + col + j);
+        c[j] = __ldg(o.c + col + j);
+      }
     }
   }
   __device__ __forceinline__ float operator()(float dv, float z, int j) const {
-    if (act.kind == ActivationKind::kNone) return dv;
-    return dv * activation_grad(act, fmaf(a[j], z, c[j]));
+    if constexpr (kKind == ActivationKind::kNone) {
+      return dv;
+    } else {
+      return dv * activation_grad(Activation{kKind, negative_slope}, fmaf(a[j], z, c[j]));
+    }
   }
 };
 
@@ -198,19 +204,20 @@ head_grad_sums_kernel(GradOperands o, int64_t rows_per_split, double* __restrict
   const int64_t col0 = int64_t(blockIdx.x) * kCols;
   const int64_t col = col0 + int64_t(sub) * kVec;
   double s1[kVec] = {}, s3[kVec] = {};
-  if (col < o.N) {
-    const ActivationGrad<kVec> act_grad(o, col);
+  if (col < o.N) dispatch_activation(o.act.kind, [&](auto kind) {
+    const ActivationGrad<kVec, decltype(kind)::value> act_grad(o, col);
     const G* g = static_cast<const G*>(o.g) + col;
     const Z* z = static_cast<const Z*>(o.z) + col;
-    const G* out = kSoftmax ? static_cast<const G*>(o.out) + col : nullptr;
+    [[maybe_unused]] const G* out = kSoftmax ? static_cast<const G*>(o.out) + col : nullptr;
     // This block's rows: split blockIdx.y of the column band (one split: all of them).
     const int64_t row_begin = int64_t(blockIdx.y) * rows_per_split;
     const int64_t row_end = std::min(o.M, row_begin + rows_per_split);
     int64_t row = row_begin + group;
     for (; row + (kRowsInFlight - 1) * kRowGroups < row_end; row += kRowsInFlight * kRowGroups) {
-      RowVec<G, kVec> gv[kRowsInFlight], ov[kSoftmax ? kRowsInFlight : 1];
+      RowVec<G, kVec> gv[kRowsInFlight];
+      [[maybe_unused]] RowVec<G, kVec> ov[kSoftmax ? kRowsInFlight : 1];
       RowVec<Z, kVec> zv[kRowsInFlight];
-      float r[kSoftmax ? kRowsInFlight : 1];
+      [[maybe_unused]] float r[kSoftmax ? kRowsInFlight : 1];
 #pragma unroll
       for (int i = 0; i < kRowsInFlight; ++i) {
         const int64_t m = row + i * kRowGroups;
@@ -248,7 +255,7 @@ head_grad_sums_kernel(GradOperands o, int64_t rows_per_split, double* __restrict
         s3[e] = fma(double(dv[e]), double(zf[e]), s3[e]);  // exact product of two fp32 values
       }
     }
-  }
+  });
 #pragma unroll
   for (int offset = kLanesPerRow; offset < 32; offset *= 2)
 #pragma unroll
@@ -490,40 +497,42 @@ head_grad_z_kernel(GradOperands o, const float* __restrict__ coef, Z* __restrict
     B[j] = __ldg(coef + o.N + col + j);
     C[j] = __ldg(coef + 2 * o.N + col + j);
   }
-  const ActivationGrad<kVec> act_grad(o, col);
   const int64_t r0 = int64_t(blockIdx.y) * rows_per_block;
   const int64_t r1 = std::min<int64_t>(o.M, r0 + rows_per_block);
-  int64_t row = r0;
-  if constexpr (kRows > 1) {
-    const G* g = static_cast<const G*>(o.g) + col;
-    const Z* zp = static_cast<const Z*>(o.z) + col;
-    for (; row + kRows <= r1; row += kRows) {
-      RowVec<G, kVec> gv[kRows];
-      RowVec<Z, kVec> zv[kRows];
+  dispatch_activation(o.act.kind, [&](auto kind) {
+    const ActivationGrad<kVec, decltype(kind)::value> act_grad(o, col);
+    int64_t row = r0;
+    if constexpr (kRows > 1) {
+      const G* g = static_cast<const G*>(o.g) + col;
+      const Z* zp = static_cast<const Z*>(o.z) + col;
+      for (; row + kRows <= r1; row += kRows) {
+        RowVec<G, kVec> gv[kRows];
+        RowVec<Z, kVec> zv[kRows];
 #pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        gv[i].load(g + (row + i) * o.ld_g);
-        zv[i].load(zp + (row + i) * o.ld_z);
-      }
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        float dv[kVec], z[kVec];
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          z[j] = zv[i][j];
-          dv[j] = act_grad(gv[i][j], z[j], j);
+        for (int i = 0; i < kRows; ++i) {
+          gv[i].load(g + (row + i) * o.ld_g);
+          zv[i].load(zp + (row + i) * o.ld_z);
         }
-        store_dz<Z, kVec>(dz + (row + i) * ld_dz + col, A, B, C, dv, z);
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          float dv[kVec], z[kVec];
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            z[j] = zv[i][j];
+            dv[j] = act_grad(gv[i][j], z[j], j);
+          }
+          store_dz<Z, kVec>(dz + (row + i) * ld_dz + col, A, B, C, dv, z);
+        }
       }
     }
-  }
-  for (; row < r1; ++row) {
-    float dv[kVec], z[kVec];
-    load_dv_z<G, Z, kVec, kSoftmax>(o, row, col, dv, z);
+    for (; row < r1; ++row) {
+      float dv[kVec], z[kVec];
+      load_dv_z<G, Z, kVec, kSoftmax>(o, row, col, dv, z);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) dv[j] = act_grad(dv[j], z[j], j);
-    store_dz<Z, kVec>(dz + row * ld_dz + col, A, B, C, dv, z);
-  }
+      for (int j = 0; j < kVec; ++j) dv[j] = act_grad(dv[j], z[j], j);
+      store_dz<Z, kVec>(dz + row * ld_dz + col, A, B, C, dv, z);
+    }
+  });
 }
 
 template <class G, class Z, int kVec, bool kSoftmax>

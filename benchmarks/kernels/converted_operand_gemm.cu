@@ -95,17 +95,9 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "cutlass/util/packed_stride.hpp"
+#include "standalone.cuh"
 
 using namespace cute;
-
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                             \
-    }                                                                                      \
-  } while (0)
 
 // fp32 bits that the mixed-input collective does not recognise as `float` (see the header).
 struct alignas(4) RawF32 { float v; };
@@ -995,15 +987,6 @@ struct Runner {
 
 // ---- fills, casts, checks -------------------------------------------------------------------
 
-__device__ __forceinline__ float uniform(uint64_t i, uint64_t seed) {  // [-1, 1), exact in fp32
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
-  x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
-  return float(uint32_t(x) >> 8) * 0x1p-23f - 1.0f;
-}
-__global__ void fill_f32(int64_t n, float* p, uint64_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = uniform(i, seed);
-}
 __global__ void fill_bf16(int64_t n, __nv_bfloat16* p, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     p[i] = __float2bfloat16_rn(uniform(i, seed));
@@ -1085,29 +1068,6 @@ __global__ void sample_check(int samples, int M, int N, int K, const __nv_bfloat
     acc += double(__bfloat162float(A[int64_t(m) * K + k])) * double(__bfloat162float(B[int64_t(n) * K + k]));
   out[2 * s] = float(fabs(double(__bfloat162float(D[int64_t(m) * N + n])) - acc));
   out[2 * s + 1] = float(fabs(acc));
-}
-
-template <class F>
-float best_ms(cudaStream_t s, void* flush, size_t flush_bytes, F&& f) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) f();
-  float best = 1e30f;
-  for (int i = 0; i < 20; ++i) {
-    CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s));  // evict L2, outside the events
-    CK(cudaEventRecord(e0, s));
-    f();
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    best = std::min(best, ms);
-  }
-  CK(cudaGetLastError());
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  return best;
 }
 
 int main(int argc, char** argv) {

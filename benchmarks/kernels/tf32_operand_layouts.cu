@@ -15,6 +15,8 @@
 //   /usr/local/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -DNDEBUG \
 //        --expt-relaxed-constexpr -I$CL/include -I$CL/tools/util/include \
 //        benchmarks/kernels/tf32_operand_layouts.cu -lcublas -o build/spike/tf32_layouts
+//   (a toolkit without cuBLAS: the pip wheel's, NV=<site-packages>/nvidia/cu13,
+//    -I$NV/include -L$NV/lib -l:libcublas.so.13 and LD_LIBRARY_PATH=$NV/lib to run it)
 //   build/spike/tf32_layouts [M N K ...]   (triples; default: the projection MLP's and problem
 //                                           39's backward shapes)
 //
@@ -49,17 +51,10 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "cutlass/util/packed_stride.hpp"
+#include "standalone.cuh"
 
 using namespace cute;
 
-#define CK(x)                                                                              \
-  do {                                                                                     \
-    cudaError_t e_ = (x);                                                                  \
-    if (e_ != cudaSuccess) {                                                               \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                             \
-    }                                                                                      \
-  } while (0)
 #define CB(x)                                                                   \
   do {                                                                          \
     cublasStatus_t s_ = (x);                                                    \
@@ -149,40 +144,6 @@ struct Runner {
     }
   }
 };
-
-__device__ __forceinline__ float uniform(uint64_t i, uint64_t seed) {  // [-1, 1)
-  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
-  x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
-  return float(uint32_t(x) >> 8) * 0x1p-23f - 1.0f;
-}
-__global__ void fill_f32(int64_t n, float* p, uint64_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = uniform(i, seed);
-}
-
-template <class F>
-float best_ms(cudaStream_t s, void* flush, size_t flush_bytes, F&& f) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) f();
-  float best = 1e30f;
-  for (int i = 0; i < 20; ++i) {
-    CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s));
-    CK(cudaEventRecord(e0, s));
-    f();
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    best = std::min(best, ms);
-  }
-  CK(cudaGetLastError());
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  return best;
-}
 
 // cuBLAS on the same operands: row-major D = A . B is column-major D^T = B^T . A^T.
 void cublas_tf32(cublasHandle_t h, bool a_k, bool b_k, int M, int N, int K, const float* A,

@@ -180,10 +180,10 @@ void launch_rowdot(const GradOperands& o, float* rowdot, cudaStream_t stream) {
 // the fp32 accumulation over all rows that PyTorch's BatchNorm backward does.
 //
 // A band is 8 lanes' vectors wide (fp32: 32 columns, 16-bit: 64), so that each row's piece of a
-// 16-byte-vector operand is a whole 128-byte line. With 32 columns of bf16 (64 bytes a row) the
-// same bytes in flight took twice the lines in flight and ran at half the bandwidth of fp32:
-// 4096 x 4096 bf16 sums 41 us (1.6 TB/s) against 40.6 us for twice the bytes in fp32 (H200,
-// projection MLP training steps). Unvectorized operands (kVec 1) keep 32 lanes on 32 columns.
+// 16-byte-vector operand is a whole 128-byte line (32 columns of bf16 read half lines). Alone this
+// measured no change at 4096 x 4096 bf16 (41 us, H200), where the activation's per-element switch
+// bounded the loop (dispatch_activation fixed that: 22 us). Unvectorized operands (kVec 1) keep
+// 32 lanes on 32 columns.
 template <int kVec>
 constexpr int kSumsCols = kVec == 1 ? 32 : 8 * kVec;
 
@@ -460,11 +460,11 @@ head_grad_coefficients_kernel(GradCoefficientProblem p) {
 
 // ---- dz ---------------------------------------------------------------------------------------
 // column_affine.cu's layout: a thread owns one vector of columns (its A, B, C loaded once) and
-// streams a band of rows, kZRows of them loaded (as raw vectors) before any is used. One row at a
-// time kept too little in flight where registers limit the blocks: 16-bit operands give a thread
-// 8 columns, whose coefficients take ~76 registers (3 blocks an SM, 24 KiB of loads in flight), and
-// 4096 x 4096 bf16 ran at 2.3 TB/s (42 us) where fp32 (5 blocks) ran at 3.6 (H200, projection MLP
-// training steps). The softmax form (which also reads out and the row term) keeps one row.
+// streams a band of rows, kZRows of them loaded (as raw vectors) before any is used: with 16-bit
+// operands a thread's 8 columns and their coefficients take most of its registers (~3 blocks an
+// SM), and one row at a time kept ~24 KiB of loads in flight per SM. Four rows: 4096 x 4096 bf16
+// 42 -> 39 us (H200); the activation's per-element switch was the rest (dispatch_activation:
+// 23 us). The softmax form (which also reads out and the row term) keeps one row.
 constexpr int kZThreads = 256;
 template <int kVec, bool kSoftmax>
 constexpr int kZRows = kVec > 1 && !kSoftmax ? 4 : 1;

@@ -11,8 +11,11 @@ Models (sizes of MoCo v3's projector on a ResNet-50 and of an ImageNet classifie
 Settings: fp32 at PyTorch's default precision ('highest'), TF32 ('high'), and torch.autocast bf16
 and fp16 (fp32 parameters and inputs, the backward outside the region). Modes: training-mode forward
 (no_grad), eval forward, training step (forward + backward with dX, the parameters' versions
-bumped each step as an optimizer's update would). Timing as the main benchmark
-(benchmarks/timing.py: CUDA events, inputs rotated, implementations interleaved in 3 rounds).
+bumped each step as an optimizer's update would), and the same step queued: its GPU time with the
+host ahead (timing.measure_queued_rounds: steps issued behind a spin kernel and timed back to back),
+what the head costs inside a model whose GPU work hides the host, where "train-step" times each
+step alone, host latency included. Timing as the main benchmark (benchmarks/timing.py: CUDA
+events, inputs rotated, implementations interleaved in 3 rounds).
 --dry runs tiny shapes on whatever device there is (a smoke test; the numbers mean nothing).
 """
 
@@ -36,7 +39,7 @@ from .cases import make_step
 MODELS = ("projection", "classifier")
 SETTINGS = ("fp32", "tf32", "amp-bf16", "amp-fp16")
 AUTOCAST_DTYPES = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
-MODES = ("train", "eval", "train-step")
+MODES = ("train", "eval", "train-step", "train-step-queued")
 
 
 def build_model(name: str, dims: tuple[int, int, int]) -> nn.Module:
@@ -80,7 +83,7 @@ def _callables(models: dict[str, nn.Module], mode: str, setting: str,
     for impl, model in models.items():
         forward = _in_region(model, setting, device)
         model.train(mode != "eval")
-        if mode == "train-step":
+        if mode.startswith("train-step"):
             fns[impl] = make_step(model, forward, new_weights=True)
         else:
             def call(x, forward=forward):
@@ -104,13 +107,23 @@ def run_case(model_name: str, setting: str, mode: str, dims, batch: int, device:
     g = torch.Generator(device=device).manual_seed(1)
     count = timing.rotation_count(batch * dims[0] * 4, device, cap=4)
     xs = [torch.rand(batch, dims[0], device=device, generator=g) for _ in range(count)]
-    if mode == "train-step":
+    if mode.startswith("train-step"):
         inputs = [(x.clone().requires_grad_(), torch.randn(batch, dims[2], device=device,
                                                            generator=g)) for x in xs]
     else:
         inputs = xs
     with _precision(setting):
         fns = _callables(models, mode, setting, device)
+        if mode == "train-step-queued":
+            short = settings.iters < 10  # a dry run
+            results = timing.measure_queued_rounds(fns, inputs, device, calls=2 if short else 10,
+                                                   rounds=2 if short else 5,
+                                                   warmup=settings.warmup)
+            row["timings_ms"] = {k: (v if not isinstance(v, Exception)
+                                     else {"error": f"{type(v).__name__}: {v}"})
+                                 for k, v in results.items()}
+            row["peak_mib"] = {}  # the train-step row's
+            return row
         results = timing.measure_rounds(fns, inputs, device, settings)
         row["timings_ms"] = {k: (timing.to_dict(v) if not isinstance(v, Exception)
                                  else {"error": f"{type(v).__name__}: {v}"})

@@ -156,6 +156,68 @@ def measure_rounds(fns: Mapping[str, Callable[[Any], object]], inputs: Sequence[
     return {name: results[name] for name in fns}
 
 
+def measure_queued_rounds(fns: Mapping[str, Callable[[Any], object]], inputs: Sequence[Any],
+                          device: torch.device, calls: int = 10, rounds: int = 5,
+                          warmup: int = 5) -> dict[str, Union[dict, Exception]]:
+    """The GPU's time per call with the host ahead of it: what a call costs inside a larger model
+    whose GPU work hides the host's (a projection head after a backbone), where ``measure_rounds``
+    times each call alone, host latency included.
+
+    Per round and implementation (implementations interleaved), a spin kernel holds the GPU while
+    the host queues ``calls`` calls (~50 launches each at most: the launch queue holds ~1000), and
+    CUDA events time them back to back from the end of the spin. ``median_ms`` per call over
+    ``rounds`` rounds; ``gpu_kept_busy`` False if in some round the spin ended before the host had
+    queued every call (that round then counts host stalls too). On a CPU device: wall time per
+    call (a dry run's smoke test)."""
+    if not inputs:
+        raise ValueError("measure_queued_rounds() needs at least one input")
+    results: dict[str, Union[dict, Exception]] = {}
+    per_call: dict[str, list] = {}
+    busy: dict[str, Optional[bool]] = {}
+    round_s: dict[str, float] = {}
+    for name, fn in fns.items():
+        try:
+            for i in range(warmup):
+                fn(inputs[i % len(inputs)])
+            sync(device)
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fn(inputs[i % len(inputs)])
+            sync(device)
+            round_s[name] = time.perf_counter() - t0  # an upper bound on the host's share
+            per_call[name], busy[name] = [], (True if device.type == "cuda" else None)
+        except Exception as e:  # noqa: BLE001 -- reported per implementation
+            results[name] = e
+    gc.collect()
+    for _ in range(max(1, rounds)):
+        for name in list(per_call):
+            fn = fns[name]
+            try:
+                if device.type != "cuda":
+                    t0 = time.perf_counter()
+                    for i in range(calls):
+                        fn(inputs[i % len(inputs)])
+                    per_call[name].append((time.perf_counter() - t0) * 1e3 / calls)
+                    continue
+                torch.cuda._sleep(max(1, int((2 * round_s[name] + 0.005)
+                                             * _cycles_per_s(device))))
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                for i in range(calls):
+                    fn(inputs[i % len(inputs)])
+                end.record()
+                busy[name] = busy[name] and not start.query()
+                end.synchronize()
+                per_call[name].append(start.elapsed_time(end) / calls)
+            except Exception as e:  # noqa: BLE001
+                results[name] = e
+                del per_call[name]
+    for name, times in per_call.items():
+        results[name] = {"median_ms": statistics.median(times), "min_ms": min(times),
+                         "rounds": len(times), "calls": calls, "gpu_kept_busy": busy[name]}
+    return {name: results[name] for name in fns}
+
+
 def measure(fn: Callable[[Any], object], inputs: Sequence[Any], device: torch.device,
             settings: Settings, flush: Optional[torch.Tensor] = None) -> Measurement:
     """One implementation (raises what it raises)."""

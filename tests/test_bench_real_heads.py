@@ -22,14 +22,36 @@ def test_dry_run_writes_rows(tmp_path):
     md = tmp_path / "real.md"
     assert real_heads.main(["--dry", "--out", str(tmp_path), "--models", "classifier",
                             "--settings", "fp32", "--modes", "train", "train-step",
-                            "--markdown", str(md)]) == 0
+                            "train-step-queued", "--markdown", str(md)]) == 0
     rows = json.loads((tmp_path / "real_heads.json").read_text())["rows"]
     assert [(r["model"], r["mode"]) for r in rows] == [("classifier", "train"),
-                                                       ("classifier", "train-step")]
+                                                       ("classifier", "train-step"),
+                                                       ("classifier", "train-step-queued")]
     for r in rows:
         assert r["timings_ms"]["ours"]["median_ms"] > 0
         assert r["timings_ms"]["eager"]["median_ms"] > 0
         assert len(r["fused"]) == 2
+    assert rows[2]["timings_ms"]["ours"]["calls"] == 2  # the queued step's own timing
     text = md.read_text()
     assert "| classifier | fp32 | train | 2 |" in text
+    assert "| classifier | fp32 | train-step-queued | 2 |" in text
     assert torch.get_float32_matmul_precision() == "highest"  # the run restored it
+
+
+def test_queued_timing_keeps_the_gpu_ahead_of_the_host():
+    """timing.measure_queued_rounds times calls queued behind a spin kernel: the spin outlasts the
+    host's queueing (gpu_kept_busy), and the per-call GPU time of a fixed kernel does not depend
+    on how many calls a round queues."""
+    import pytest
+
+    from benchmarks import timing
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU available")
+    device = torch.device("cuda")
+    a = torch.randn(2048, 2048, device=device)
+    fns = {"mm": lambda x: torch.mm(x, x)}
+    few = timing.measure_queued_rounds(fns, [a], device, calls=4, rounds=3)["mm"]
+    many = timing.measure_queued_rounds(fns, [a], device, calls=16, rounds=3)["mm"]
+    assert few["gpu_kept_busy"] is True and many["gpu_kept_busy"] is True
+    assert few["rounds"] == 3 and many["calls"] == 16
+    assert 0.5 < few["median_ms"] / many["median_ms"] < 2.0

@@ -29,8 +29,9 @@
 //
 // Result on an H200 (BENCHMARKS.md, "TF32 GEMMs on MN-major operands"): both operands MN-major cost
 // 1.5-1.6x the K-major product on either library, B MN-major alone 1.02x at 4096 rows and
-// 1.13-1.15x from 8192, A MN-major alone at most 1.08x; the RS kernels were never faster than
-// cuBLAS. gemm_dispatch.cu's cublas_tf32_k_major_copies follows from it. The SwapAB rows (A K,
+// 1.13-1.15x from 8192, A MN-major alone at most 1.08x; the RS kernels beat cuBLAS only on
+// layouts and shapes the backward does not run after its copies. gemm_dispatch.cu's
+// cublas_tf32_k_major_copies follows from it. The SwapAB rows (A K,
 // B N) differ from cuBLAS's product (diff ~1.4): that form is not a valid product as configured
 // here, and its times were not used.
 #include <cublas_v2.h>

@@ -93,6 +93,12 @@ def _callables(models: dict[str, nn.Module], mode: str, setting: str,
     return fns
 
 
+def _timings(results: dict) -> dict:
+    """Per implementation, its timing dict, or {"error": ...} for one that raised."""
+    return {k: ({"error": f"{type(v).__name__}: {v}"} if isinstance(v, Exception) else v)
+            for k, v in results.items()}
+
+
 def run_case(model_name: str, setting: str, mode: str, dims, batch: int, device: torch.device,
              settings: timing.Settings, compile_: bool) -> dict:
     torch.manual_seed(0)
@@ -114,21 +120,16 @@ def run_case(model_name: str, setting: str, mode: str, dims, batch: int, device:
         inputs = xs
     with _precision(setting):
         fns = _callables(models, mode, setting, device)
+        row["peak_mib"] = {}  # a queued step's peak is its train-step row's
         if mode == "train-step-queued":
-            short = settings.iters < 10  # a dry run
-            results = timing.measure_queued_rounds(fns, inputs, device, calls=2 if short else 10,
-                                                   rounds=2 if short else 5,
-                                                   warmup=settings.warmup)
-            row["timings_ms"] = {k: (v if not isinstance(v, Exception)
-                                     else {"error": f"{type(v).__name__}: {v}"})
-                                 for k, v in results.items()}
-            row["peak_mib"] = {}  # the train-step row's
+            # Rounds of 10 steps (fewer in a dry run's few iterations).
+            row["timings_ms"] = _timings(timing.measure_queued_rounds(
+                fns, inputs, device, calls=min(10, settings.iters),
+                rounds=min(5, settings.iters), warmup=settings.warmup))
             return row
         results = timing.measure_rounds(fns, inputs, device, settings)
-        row["timings_ms"] = {k: (timing.to_dict(v) if not isinstance(v, Exception)
-                                 else {"error": f"{type(v).__name__}: {v}"})
-                             for k, v in results.items()}
-        row["peak_mib"] = {}
+        row["timings_ms"] = _timings({k: (v if isinstance(v, Exception) else timing.to_dict(v))
+                                      for k, v in results.items()})
         for impl, fn in fns.items():
             if isinstance(results[impl], Exception):
                 continue

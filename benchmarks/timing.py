@@ -171,18 +171,21 @@ def measure_queued_rounds(fns: Mapping[str, Callable[[Any], object]], inputs: Se
     call (a dry run's smoke test)."""
     if not inputs:
         raise ValueError("measure_queued_rounds() needs at least one input")
+
+    def call_each(fn: Callable[[Any], object], n: int) -> None:
+        for i in range(n):
+            fn(inputs[i % len(inputs)])
+
     results: dict[str, Union[dict, Exception]] = {}
     per_call: dict[str, list] = {}
     busy: dict[str, Optional[bool]] = {}
     round_s: dict[str, float] = {}
     for name, fn in fns.items():
         try:
-            for i in range(warmup):
-                fn(inputs[i % len(inputs)])
+            call_each(fn, warmup)
             sync(device)
             t0 = time.perf_counter()
-            for i in range(calls):
-                fn(inputs[i % len(inputs)])
+            call_each(fn, calls)
             sync(device)
             round_s[name] = time.perf_counter() - t0  # an upper bound on the host's share
             per_call[name], busy[name] = [], (True if device.type == "cuda" else None)
@@ -195,16 +198,14 @@ def measure_queued_rounds(fns: Mapping[str, Callable[[Any], object]], inputs: Se
             try:
                 if device.type != "cuda":
                     t0 = time.perf_counter()
-                    for i in range(calls):
-                        fn(inputs[i % len(inputs)])
+                    call_each(fn, calls)
                     per_call[name].append((time.perf_counter() - t0) * 1e3 / calls)
                     continue
                 torch.cuda._sleep(max(1, int((2 * round_s[name] + 0.005)
                                              * _cycles_per_s(device))))
                 start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 start.record()
-                for i in range(calls):
-                    fn(inputs[i % len(inputs)])
+                call_each(fn, calls)
                 end.record()
                 busy[name] = busy[name] and not start.query()
                 end.synchronize()

@@ -31,7 +31,7 @@ def test_dry_run_writes_rows(tmp_path):
         assert r["timings_ms"]["ours"]["median_ms"] > 0
         assert r["timings_ms"]["eager"]["median_ms"] > 0
         assert len(r["fused"]) == 2
-    assert rows[2]["timings_ms"]["ours"]["calls"] == 2  # the queued step's own timing
+    assert rows[2]["timings_ms"]["ours"]["calls"] == 3  # the queued step's own timing (dry: 3)
     text = md.read_text()
     assert "| classifier | fp32 | train | 2 |" in text
     assert "| classifier | fp32 | train-step-queued | 2 |" in text

@@ -37,7 +37,7 @@ def _kernels_run(fn) -> set[str]:
 
 
 def _ran_split_gemm(fn) -> bool:
-    return any("split_tf32" in name for name in _kernels_run(fn))
+    return any("split_fp16" in name for name in _kernels_run(fn))
 
 
 def _operands(m, k, n, offset=0.0, seed=0):
@@ -96,13 +96,17 @@ def test_small_problems_run_sgemm(m, k, n):
 
 
 @hopper_only
-def test_batches_taller_than_one_split_launch():
-    """Over 2^21 rows (65535 row tiles of 32, split_tf32's grid.y limit; a per-pixel head): the
-    split runs in bands of rows, and the GEMM, its statistics and a non-finite row in the last band
-    come out as for any batch."""
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_batches_taller_than_one_split_launch(layout):
+    """Over 2^21 rows (a per-pixel head): row-major, split_fp16's row path (a block per row); column-
+    major (a transposed view), its tiled path, which runs in bands of 65535 row tiles of 32 (the
+    grid.y limit). The GEMM, its statistics and a non-finite row in the last band come out as for
+    any batch."""
     m, k, n = 65535 * 32 + 4000, 64, 64
     x, w = _operands(m, k, n, seed=5)
     x[m - 7, 3] = float("nan")  # a row of the second band
+    if layout == "column-major":
+        x = x.t().contiguous().t()
     assert _ran_split_gemm(lambda: ops.gemm_colstats(x, w, "3xtf32"))
     z, colsum, colsumsq = ops.gemm_colstats(x, w, "3xtf32")
     expected = x.double() @ w.double().T
@@ -227,14 +231,14 @@ def _affine_case(m, k, n, *, seed, bad):
 
 @hopper_only
 def test_large_weight_split_in_chunks():
-    """A weight whose 3xTF32 split exceeds 128 MiB is split and multiplied in chunks of its rows
-    (gemm_dispatch.cu, copy_chunk_rows): here 4352 rows of K = 8192 (272 MiB of split) in chunks
-    of 1536, 1536 and 1280 rows. Each chunk's columns get their own epilogue vectors and
+    """A weight whose split exceeds 128 MiB is split and multiplied in chunks of its rows
+    (gemm_dispatch.cu, copy_chunk_rows): here 8704 rows of K = 8192 (272 MiB of FP16 parts) in
+    chunks of 3072, 3072 and 2560 rows. Each chunk's columns get their own epilogue vectors and
     statistics, and a non-finite row of x is repaired across all of them."""
-    m, k, n = 512, 8192, 4352
+    m, k, n = 512, 8192, 8704
     x, w, a, c = _affine_case(m, k, n, seed=11, bad=(17, 5, float("inf")))
     # x's split, then one split per chunk of w.
-    assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_tf32") == 4
+    assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_fp16") == 4
     w.add_(0.0)
     y = ops.gemm_affine(x, w, a, c, "3xtf32")
     w.add_(0.0)
@@ -259,17 +263,17 @@ def test_large_weight_split_in_chunks():
 @hopper_only
 def test_tall_x_split_in_chunks_of_rows():
     """With the affine epilogue an x whose split exceeds 256 MiB is split in chunks of its rows
-    too (8448 rows of K = 8192: three chunks of 2816), each chunk multiplied by every chunk of w
-    (2304 rows: 1280 + 1024, split again for each chunk of x); a non-finite row in the second chunk
+    too (16896 rows of K = 8192: three chunks of 5632), each chunk multiplied by every chunk of w
+    (4608 rows: 2304 + 2304, split again for each chunk of x); a non-finite row in the second chunk
     is repaired where its chunk put it."""
-    m, k, n = 8448, 8192, 2304
-    x, w, a, c = _affine_case(m, k, n, seed=14, bad=(3000, 7, float("nan")))
-    assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_tf32") == 3 + 3 * 2
+    m, k, n = 16896, 8192, 4608
+    x, w, a, c = _affine_case(m, k, n, seed=14, bad=(6000, 7, float("nan")))
+    assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_fp16") == 3 + 3 * 2
     w.add_(0.0)
     y = ops.gemm_affine(x, w, a, c, "3xtf32")
-    assert torch.isnan(y[3000]).all()
+    assert torch.isnan(y[6000]).all()
     finite = torch.ones(m, dtype=torch.bool, device=CUDA)
-    finite[3000] = False
+    finite[6000] = False
     expected = a.double() * (x[finite].double() @ w.double().T) + c.double()
     assert rel_err(y[finite], expected) <= 1e-6
 

@@ -61,10 +61,10 @@ def test_instantiation_text(gen):
     files = gen.generate()
     text = files["sm90_gemm_3xtf32_colstats_small_m.cu"]
     assert '#include "sm90_gemm_kernels.hpp"' in text
-    assert "EPIFUSE_SM90_INSTANTIATE_COLUMN_STATS(Split3xTf32SmallM)" in text
+    assert "EPIFUSE_SM90_INSTANTIATE_COLUMN_STATS(Split3xSmallM)" in text
     header = files["sm90_gemm_kernels.hpp"]
-    assert ("using Split3xTf32SmallM = TileConfig<float, Shape<_128, _64, _32>, Cluster1x1, "
-            "StreamKScheduler, kTransposed, kSplit3xTf32>;") in header
+    assert ("using Split3xSmallM = TileConfig<float, Shape<_128, _64, _64>, Cluster1x1, "
+            "StreamKScheduler, kTransposed, kSplit3x>;") in header
     assert "using Tf32Wide = TileConfig<float, Shape<_128, _256, _32>, Cluster2x1, " \
            "PersistentScheduler>;" in header
     assert "EPIFUSE_SM80_INSTANTIATE_AFFINE(Fast3xTf32)" in files["sm80_gemm_3xtf32_affine.cu"]

@@ -75,8 +75,8 @@ def test_weight_split_made_on_one_stream_is_waited_for_on_another():
     def gemm():
         return ops.gemm_affine(x, w, a, c, "3xtf32")
 
-    def splits(stream):  # split_tf32 launches of one call: x's, and w's unless it was kept
-        return sum("split_tf32" in k for k in _kernels(lambda: _on(stream, gemm)))
+    def splits(stream):  # split_fp16 launches of one call: x's, and w's unless it was kept
+        return sum("split_fp16" in k for k in _kernels(lambda: _on(stream, gemm)))
 
     assert splits(s1) == 2  # first sight of w: x and w split in place, w's version remembered
     y1, y2 = _race(s1, s2, gemm)  # second sight: w's split made on s1 and kept; read on s2
@@ -161,7 +161,7 @@ def test_inference_tensor_weights_are_never_kept(autocast):
                 return model(x)
 
         # A kept operand would be made at the second call and read from the third on, each of
-        # those calls launching one kernel fewer (test_weight_split_made_on_...: split_tf32).
+        # those calls launching one kernel fewer (test_weight_split_made_on_...: split_fp16).
         launches = [len(_kernels(forward)) for _ in range(4)]
         y = forward()
         if autocast is None:  # the head in float64
@@ -201,7 +201,7 @@ def test_training_steps_see_every_weight_and_input_update():
                 y = model(xr)
                 if model is new:  # the fused head ran, its backward on split (3xTF32) GEMMs
                     assert y.grad_fn.name() == FUSED_NODE
-                    assert any("split_tf32" in k for k in _kernels(lambda: y.backward(grad)))
+                    assert any("split_fp16" in k for k in _kernels(lambda: y.backward(grad)))
                 else:
                     y.backward(grad)
                 grads.append((xr.grad.clone(), model.gemm.weight.grad.clone()))

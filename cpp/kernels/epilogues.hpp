@@ -18,6 +18,10 @@
 // The statistics are reduced in fp64: when a column's mean dwarfs its spread (|mean|/std >= 1e3),
 // var = E[z^2] - E[z]^2 cancels ~6 digits, which fp32 sums cannot afford but fp64 sums of the
 // (exact) fp32 values can.
+//
+// Each tree reads the product through its `Acc` leaf: the accumulator itself (Sm90AccFetch), or,
+// for the 3x GEMM's row-scaled FP16 operands (split_fp16.cu), ScaledAccFetch, the accumulator
+// scaled back by its rows' and columns' exponents.
 #pragma once
 
 #include "cutlass/epilogue/fusion/sm90_visitor_compute_tma_warpspecialized.hpp"
@@ -26,6 +30,8 @@
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/thread/activation.h"
 #include "cutlass/functional.h"
+
+#include <type_traits>
 
 #include "activation.cuh"
 #include "rounded_to.hpp"
@@ -41,6 +47,49 @@ constexpr auto kRound = FloatRoundStyle::round_to_nearest;
 // A per-column fp32 vector (a or c), broadcast down the rows of the tile.
 template <class CtaTileShapeMNK>
 using ColumnVector = fusion::Sm90RowBroadcast<0, CtaTileShapeMNK, float, float>;
+
+// ---- the product of row-scaled operands: acc[m, n] * 2^(e_a[m] + e_b[n]) -------------------------
+// split_fp16 stores each row of the kernel's A (its M extent) and B (its N extent) scaled by
+// 2^-e; the accumulator is the product of the scaled rows, and ldexp puts the scale back exactly
+// (the sum of exponents, one rounding-free step, where two multiplies by 2^e could overflow or
+// underflow between them).
+template <class T>
+struct ScaleByExponents {
+  CUTLASS_DEVICE T operator()(T const& e_a, T const& acc, T const& e_b) const {
+    return ldexpf(acc, int(e_a + e_b));
+  }
+};
+
+template <class T, int N>
+struct ScaleByExponents<cutlass::Array<T, N>> {
+  CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& e_a,
+                                                 cutlass::Array<T, N> const& acc,
+                                                 cutlass::Array<T, N> const& e_b) const {
+    cutlass::Array<T, N> d;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) d[i] = ldexpf(acc[i], int(e_a[i] + e_b[i]));
+    return d;
+  }
+};
+
+template <class CtaTileShapeMNK>
+using ScaledAccFetch = fusion::Sm90EVT<
+    fusion::Sm90Compute<ScaleByExponents, float, float, kRound>,
+    fusion::Sm90ColBroadcast<0, CtaTileShapeMNK, float, float>,  // e_a[m], m = the kernel's row
+    fusion::Sm90AccFetch,
+    fusion::Sm90RowBroadcast<0, CtaTileShapeMNK, float, float>>; // e_b[n], n = the kernel's column
+
+// The Acc leaf's arguments: none for the accumulator itself; the exponents of the kernel's A rows
+// and B rows for ScaledAccFetch.
+template <class Acc>
+typename Acc::Arguments acc_args(const float* e_a, const float* e_b) {
+  if constexpr (std::is_same_v<Acc, fusion::Sm90AccFetch>) {
+    (void)e_a, (void)e_b;
+    return {};
+  } else {
+    return {{e_a, 0.f}, {}, {e_b, 0.f}, {}};
+  }
+}
 
 // ---- eval: D = act(a[n] * acc + c[n]) ----------------------------------------------------------
 
@@ -72,19 +121,20 @@ struct AffineActivation<cutlass::Array<T, N>> {
   }
 };
 
-template <class CtaTileShapeMNK, class ElementD>
+template <class CtaTileShapeMNK, class ElementD, class Acc = fusion::Sm90AccFetch>
 using PerColumnAffine =
     fusion::Sm90EVT<fusion::Sm90Compute<AffineActivation, ElementD, float, kRound>,
                     ColumnVector<CtaTileShapeMNK>,  // a[n]
-                    fusion::Sm90AccFetch,           // acc
+                    Acc,                            // acc
                     ColumnVector<CtaTileShapeMNK>>; // c[n]
 
 // Arguments in the tree's order: {a, acc, c, activation}; the same for the transposed tree.
 // A null a or c broadcasts its default instead (a = 1, c = 0): with both null and no activation
-// the tree stores the plain product (the backward's dX and dW GEMMs).
-template <class Fusion>
-typename Fusion::Arguments per_column_affine_args(const float* a, const float* c, Activation act) {
-  return {{a, 1.f}, {}, {c, 0.f}, act};
+// the tree stores the plain product (the backward's dX and dW GEMMs). acc: acc_args.
+template <class Fusion, class AccArguments>
+typename Fusion::Arguments per_column_affine_args(const float* a, const float* c, Activation act,
+                                                  AccArguments acc) {
+  return {{a, 1.f}, acc, {c, 0.f}, act};
 }
 
 // ---- eval, transposed GEMM: D'[n, m] = act(a[n] * acc'[n, m] + c[n]) --------------------------
@@ -93,11 +143,11 @@ typename Fusion::Arguments per_column_affine_args(const float* a, const float* c
 template <class CtaTileShapeMNK>
 using RowVector = fusion::Sm90ColBroadcast<0, CtaTileShapeMNK, float, float>;
 
-template <class CtaTileShapeMNK, class ElementD>
+template <class CtaTileShapeMNK, class ElementD, class Acc = fusion::Sm90AccFetch>
 using PerColumnAffineTransposed =
     fusion::Sm90EVT<fusion::Sm90Compute<AffineActivation, ElementD, float, kRound>,
                     RowVector<CtaTileShapeMNK>,  // a[n], n = the kernel's row
-                    fusion::Sm90AccFetch,        // acc' = acc^T
+                    Acc,                         // acc' = acc^T
                     RowVector<CtaTileShapeMNK>>; // c[n]
 
 // ---- training: building blocks of the statistics tree ------------------------------------------
@@ -117,10 +167,10 @@ struct FirstOperand {
 
 // z as stored (the accumulator rounded to ElementD), widened to fp64 (exact): the input of the
 // column reductions.
-template <class ElementD>
+template <class ElementD, class Acc>
 using StoredAsDouble =
     fusion::Sm90EVT<fusion::Sm90Compute<RoundedTo<ElementD>::template Op, double, float, kRound>,
-                    fusion::Sm90AccFetch>;
+                    Acc>;
 
 // ---- training, transposed GEMM: D'[n, m] = z'[n, m], per-row (= per-column of z) fp64 sums ------
 // The head's columns are the rows of the transposed kernel's tile, so the statistics reduce along
@@ -140,19 +190,22 @@ using RowReduction =
                              /*EnableNullptr=*/false, /*FinalReduction=*/false,
                              /*VisitCheckOOB=*/false>;
 
-template <class CtaTileShapeMNK, class ElementD>
+// (With ScaledAccFetch, each branch scales its own copy of the accumulator: two ldexps per element
+// in an epilogue that the 3x GEMM's mainloop hides.)
+template <class CtaTileShapeMNK, class ElementD, class Acc = fusion::Sm90AccFetch>
 using ColumnStatisticsTransposed = fusion::Sm90EVT<
     fusion::Sm90Compute<FirstOperand, ElementD, float, kRound>,                             // D' = z'
     fusion::Sm90EVT<RowReduction<cutlass::plus, CtaTileShapeMNK>,
-                    StoredAsDouble<ElementD>>,                                            // colsum
+                    StoredAsDouble<ElementD, Acc>>,                                       // colsum
     fusion::Sm90EVT<RowReduction<AccumulateSquare, CtaTileShapeMNK>,
-                    StoredAsDouble<ElementD>>>;                                           // colsumsq
+                    StoredAsDouble<ElementD, Acc>>>;                                      // colsumsq
 
 // Arguments in the tree's order: {{{acc, widen}, sums}, {{acc, widen}, sums of squares}, first
-// operand}; the pointers are the per-tile partial buffers (see RowReduction).
-template <class Fusion>
-typename Fusion::Arguments column_statistics_args(double* partial_sum, double* partial_sumsq) {
-  return {{{{}, {}}, {partial_sum, 0.0}}, {{{}, {}}, {partial_sumsq, 0.0}}, {}};
+// operand}; the pointers are the per-tile partial buffers (see RowReduction). acc: acc_args.
+template <class Fusion, class AccArguments>
+typename Fusion::Arguments column_statistics_args(double* partial_sum, double* partial_sumsq,
+                                                  AccArguments acc) {
+  return {{{acc, {}}, {partial_sum, 0.0}}, {{acc, {}}, {partial_sumsq, 0.0}}, {}};
 }
 
 }  // namespace epifuse::evt

@@ -1,8 +1,9 @@
 // Chooses the kernel sequence for a GEMM + epilogue problem. The only place with shape heuristics.
 //
 //   Hopper (sm_90), 3xTF32 math (fp32 accuracy), 16-byte aligned output rows: the operands split
-//                    into TF32 hi/lo parts (split_tf32.cu; the weight's split may come cached), then
-//                    the same GEMMs with the 3xTF32 mainloop (sm90_mainloop_3xtf32.hpp), 128x128 tiles.
+//                    into row-scaled FP16 hi/lo parts (split_fp16.cu; the weight's split may come
+//                    cached), then the same GEMMs with the 3x mainloop (sm90_mainloop_3x.hpp) on
+//                    FP16 wgmma, 128x128 tiles, the epilogue reading the product scaled back.
 //   Hopper (sm_90), TF32 or 16-bit math, 16-byte aligned rows (K, N, leading dimensions and base
 //   pointers):       one CUTLASS sm90 GEMM (TMA + wgmma) with the epilogue fused (epilogues.hpp);
 //                    eval as z = x . w^T, training as z^T = w . x^T (per-column statistics become
@@ -31,7 +32,7 @@
 #include "fallback.hpp"
 #include "nonfinite_rows.hpp"
 #include "sm80_gemm_kernels.hpp"
-#include "split_tf32.hpp"
+#include "split_fp16.hpp"
 #if EPIFUSE_HAVE_SM90
 #include "sm90_gemm_kernels.hpp"
 #endif
@@ -126,18 +127,18 @@ GemmKernelKind choose_kind(const GemmProblem& p, Epilogue e, const EpilogueOpera
   const bool wgmma = EPIFUSE_HAVE_SM90 && cc_major == 9 && cc_minor == 0 && !force_sm80();
   // The split copies the operands into an aligned layout, so only the output side must be aligned.
   if (wgmma && p.dtype == DType::kFloat32 && p.math == MathMode::k3xTF32 &&
-      output_aligned(p, e, ops) && split_tf32_ld(p.K) <= INT_MAX)
-    return GemmKernelKind::kSm90Split3xTf32;
+      output_aligned(p, e, ops) && split_fp16_ld(p.K) <= INT_MAX)
+    return GemmKernelKind::kSm90Split3x;
   if (!vector_aligned(p, e, ops, unit_stride_copies(p))) return GemmKernelKind::kPortable;
   // fp32 3xTF32 here runs the sm80 kernel: no wgmma, or a split too wide for int32 extents.
   if (p.dtype == DType::kFloat32 && p.math == MathMode::k3xTF32) return GemmKernelKind::kSm80;
   return wgmma ? GemmKernelKind::kSm90 : GemmKernelKind::kSm80;
 }
 
-// Copies of an operand that a product reads instead of the operand itself (the 3xTF32 split, a
+// Copies of an operand that a product reads instead of the operand itself (the 3x split, a
 // K-major copy for cuBLAS) are made a chunk of rows at a time, one GEMM per chunk, so that the copy
-// of a large operand never exists whole (the 3xTF32 split of problem 84's 8192x8192 weight is
-// 512 MiB, that of problem 39's dZ^T for dW 512 MiB, its K-major copy of X^T in TF32 256 MiB).
+// of a large operand never exists whole (the split of problem 84's 8192x8192 weight is 256 MiB,
+// that of problem 39's dZ^T for dW 256 MiB, its K-major copy of X^T in TF32 256 MiB).
 // w's rows are the output's columns: at most 128 MiB of its copy at a time. x's rows (the output's
 // rows, chunked only for the affine epilogue, whose rows are independent) get twice that, since
 // every chunk of x re-reads every chunk of w: fewer re-splits of w. These keep the training steps'
@@ -162,9 +163,9 @@ int64_t copy_chunk_rows(int64_t n, size_t row_bytes, size_t budget) {
 }  // namespace
 
 // Declared in sm90_gemm.cuh; read once.
-uint32_t sm90::split3xtf32_promotion_interval() {
+uint32_t sm90::split3x_promotion_interval() {
   static const uint32_t interval = [] {
-    const char* v = std::getenv("EPIFUSE_3XTF32_PROMOTION");
+    const char* v = std::getenv("EPIFUSE_3X_PROMOTION");
     const long n = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
     return n >= 1 && n <= 1024 ? uint32_t(n) : sm90::kDefaultPromotionInterval;
   }();
@@ -268,18 +269,22 @@ void sm90_run(const GemmProblem& p, const EpilogueOperands& ops, void* workspace
   }
 }
 
-// The 3xTF32 plan's workspace: [x split][flags of x's non-finite rows][w split, unless p.w_split]
+// The 3x plan's workspace: [x split][flags of x's non-finite rows][w split, unless p.w_split]
 // [the GEMM's own workspace].
-// The GEMM itself sees the split operands: K' = split_tf32_ld(K) floats of hi/lo parts per row.
-GemmProblem split_problem(const GemmProblem& p, const float* x_split, const float* w_split) {
+// The GEMM itself sees the split operands: K' = split_fp16_ld(K) FP16 hi/lo parts per row, and
+// the exponents of their rows.
+GemmProblem split_problem(const GemmProblem& p, const void* x_split, const void* w_split) {
   GemmProblem s = p;
-  s.K = split_tf32_ld(p.K);
+  s.K = split_fp16_ld(p.K);
   s.x = x_split;
   s.ldx = s.K;
   s.w = w_split;
   s.ldw = s.K;
   s.x_col_stride = s.w_col_stride = 1;
   s.w_split = nullptr;
+  // Where each split keeps its rows' exponents (a split of this problem's M rows / N rows).
+  s.x_exponents = x_split != nullptr ? split_fp16_exponents(x_split, p.M, p.K) : nullptr;
+  s.w_exponents = w_split != nullptr ? split_fp16_exponents(w_split, p.N, p.K) : nullptr;
   return s;
 }
 
@@ -399,7 +404,7 @@ GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops
   plan.device = device;
   plan.kind = choose_kind(p, e, ops, cc_major, cc_minor);
   plan.host_sgemm = plan.kind == GemmKernelKind::kHostSgemm;
-  plan.splits_operands = plan.kind == GemmKernelKind::kSm90Split3xTf32;
+  plan.splits_operands = plan.kind == GemmKernelKind::kSm90Split3x;
   if (plan.kind != GemmKernelKind::kEmpty && !plan.splits_operands)
     plan.copies = unit_stride_copies(p);
   // The kernels' workspaces depend on the shape and the GPU, not on the operands' pointers or row
@@ -421,13 +426,14 @@ GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops
       // x's split in chunks of its rows (affine epilogue only), w's in chunks of its rows unless
       // the caller gives w's split; one GEMM per pair of chunks (kernel_and_workspace plans the
       // full chunk; the GEMM workspace covers the narrower last chunks on the same kernel too).
-      const int64_t split_row_bytes = int64_t(sizeof(float)) * split_tf32_ld(p.K);
+      // A split row: its FP16 parts, its exponent and the strided path's row maximum.
+      const int64_t split_row_bytes = int64_t(sizeof(uint16_t)) * split_fp16_ld(p.K) + 8;
       plan.x_chunk = e == Epilogue::kAffine
                          ? copy_chunk_rows(p.M, size_t(split_row_bytes), kXCopyChunkBytes)
                          : p.M;
       plan.w_chunk = copy_chunk_rows(p.N, size_t(split_row_bytes), kWCopyChunkBytes);
       if (e == Epilogue::kAffine) refine_split_chunks(p.M, p.N, plan.x_chunk, plan.w_chunk);
-      const size_t x_bytes = split_tf32_bytes(plan.x_chunk, p.K) + row_flag_bytes(p);
+      const size_t x_bytes = split_fp16_bytes(plan.x_chunk, p.K) + row_flag_bytes(p);
       auto chunks_workspace = [&](int64_t n_chunk, int& kernel) {
         GemmProblem c = p;
         c.M = plan.x_chunk;
@@ -449,7 +455,7 @@ GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops
         return bytes;
       };
       plan.workspace_bytes_given_split = x_bytes + chunks_workspace(p.N, plan.kernel);
-      plan.weight_split_bytes = split_tf32_bytes(plan.w_chunk, p.K);
+      plan.weight_split_bytes = split_fp16_bytes(plan.w_chunk, p.K);
       plan.workspace_bytes =
           x_bytes + plan.weight_split_bytes + chunks_workspace(plan.w_chunk, plan.chunk_kernel);
     }
@@ -563,10 +569,10 @@ void run_fp16_product(const Fp16ProductPlan& plan, const Fp16Product& p, void* w
   throw std::logic_error("epifuse: run_fp16_product without a Hopper plan");
 }
 
-size_t split_weight_floats(const GemmProblem& p) { return size_t(p.N) * size_t(split_tf32_ld(p.K)); }
+size_t split_weight_bytes(const GemmProblem& p) { return split_fp16_bytes(p.N, p.K); }
 
-void split_weight(const GemmProblem& p, float* dst, cudaStream_t stream) {
-  split_tf32(static_cast<const float*>(p.w), p.N, p.K, p.ldw, p.w_col_stride, dst, nullptr, stream);
+void split_weight(const GemmProblem& p, void* dst, cudaStream_t stream) {
+  split_fp16(static_cast<const float*>(p.w), p.N, p.K, p.ldw, p.w_col_stride, dst, nullptr, stream);
 }
 
 void epilogue_pass(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops, cudaStream_t stream) {
@@ -584,7 +590,7 @@ namespace {
 void can_implement(const GemmPlan& plan, const GemmProblem& p, const EpilogueOperands& ops) {
   bool ok = p.M == plan.M && p.N == plan.N && p.K == plan.K && p.dtype == plan.dtype &&
             p.math == plan.math;
-  if (ok && plan.kind == GemmKernelKind::kSm90Split3xTf32) {
+  if (ok && plan.kind == GemmKernelKind::kSm90Split3x) {
     ok = output_aligned(p, plan.epilogue, ops);
   } else if (ok && (plan.kind == GemmKernelKind::kSm90 || plan.kind == GemmKernelKind::kSm80)) {
     ok = vector_aligned(p, plan.epilogue, ops, KMajorCopies{});
@@ -618,19 +624,19 @@ void gemm_run(const GemmPlan& plan, const GemmProblem& p, const EpilogueOperands
       epilogue_pass(p, e, ops, stream);
       return;
 #if EPIFUSE_HAVE_SM90
-    case GemmKernelKind::kSm90Split3xTf32: {
+    case GemmKernelKind::kSm90Split3x: {
       // For each chunk of x's rows: its split, then the GEMMs on the split operands, on w's split
       // as given (one GEMM) or on w split here chunk by chunk (a w of one chunk is split once).
       // Each split reuses its buffer: launches on one stream run in order. The GEMM's own
       // workspace follows the splits.
       char* base = static_cast<char*>(workspace);
-      auto* x_split = reinterpret_cast<float*>(base);
-      base += split_tf32_bytes(plan.x_chunk, p.K);
+      void* x_split = base;
+      base += split_fp16_bytes(plan.x_chunk, p.K);
       auto* row_flags = reinterpret_cast<int*>(base);
       base += row_flag_bytes(p);
-      float* w_split = nullptr;
+      void* w_split = nullptr;
       if (p.w_split == nullptr) {
-        w_split = reinterpret_cast<float*>(base);
+        w_split = base;
         base += plan.weight_split_bytes;
       }
       auto run = [&](int kernel, const GemmProblem& sp, const EpilogueOperands& o) {
@@ -641,7 +647,7 @@ void gemm_run(const GemmPlan& plan, const GemmProblem& p, const EpilogueOperands
       bool w_split_made = false;
       for (int64_t r0 = 0; r0 < p.M; r0 += plan.x_chunk) {
         const GemmProblem rows = row_chunk(p, r0, std::min(plan.x_chunk, p.M - r0));
-        split_tf32(static_cast<const float*>(rows.x), rows.M, p.K, p.ldx, p.x_col_stride, x_split,
+        split_fp16(static_cast<const float*>(rows.x), rows.M, p.K, p.ldx, p.x_col_stride, x_split,
                    row_flags + r0, stream);
         if (p.w_split != nullptr) {
           run(plan.kernel, split_problem(rows, x_split, p.w_split), ops);

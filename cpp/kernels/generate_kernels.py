@@ -66,9 +66,12 @@ MODES = {
     "tf32": Mode("tf32", "Tf32", "float", "kFloat32", "kTF32", 32, "tf32"),
     "bf16": Mode("bf16", "Bf16", "cutlass::bfloat16_t", "kBFloat16", "kNative", 64, "bf16"),
     "fp16": Mode("fp16", "Fp16", "cutlass::half_t", "kFloat16", "kNative", 64, "fp16"),
-    "3xtf32": Mode("3xtf32", "Split3xTf32", "float", "kFloat32", "k3xTF32", 32,
-                   "3xTF32"),
+    "3xtf32": Mode("3xtf32", "Split3x", "float", "kFloat32", "k3xTF32", 32,
+                   "fp32-accurate 3x"),
 }
+# Hopper runs the fp32-accurate mode on operands split into row-scaled FP16 parts (split_fp16.cu):
+# its K-tile is 64 halves (128 bytes), not the 32 floats of the mode's sm80 kernel.
+SM90_SPLIT_K_TILE = 64
 
 EPILOGUES = {
     "affine": Epilogue("affine", "kAffine", "AFFINE", "the per-column affine epilogue (eval mode)"),
@@ -76,7 +79,7 @@ EPILOGUES = {
                          "the column-statistics epilogue (training mode)"),
 }
 
-# Hopper: 128-row tiles; Wide* are 128x256 (3xTF32: 128x128, its two accumulators take 64 + 64
+# Hopper: 128-row tiles; Wide* are 128x256 (3x: 128x128, its two accumulators take 64 + 64
 # registers a thread), SmallM 128x64.
 SM90_WIDE_TILE_N = {"tf32": 256, "bf16": 256, "fp16": 256, "3xtf32": 128}
 SCHEDULES = {
@@ -137,12 +140,13 @@ def sm90_config_name(k: Kernel) -> str:
 
 def sm90_config_type(mode: Mode, s: Sm90Schedule) -> str:
     tile_n = s.tile_n if s.tile_n is not None else SM90_WIDE_TILE_N[mode.name]
-    args = [mode.element, f"Shape<_128, _{tile_n}, _{mode.k_tile}>", s.cluster, s.scheduler]
     split = mode.math == "k3xTF32"
+    k_tile = SM90_SPLIT_K_TILE if split else mode.k_tile
+    args = [mode.element, f"Shape<_128, _{tile_n}, _{k_tile}>", s.cluster, s.scheduler]
     if s.transposed or split:
         args.append("kTransposed" if s.transposed else "!kTransposed")
     if split:
-        args.append("kSplit3xTf32")
+        args.append("kSplit3x")
     return f"TileConfig<{', '.join(args)}>"
 
 

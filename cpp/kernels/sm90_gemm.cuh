@@ -19,7 +19,7 @@
 
 #include "epifuse/kernels.h"
 #include "epilogues.hpp"
-#include "sm90_mainloop_3xtf32.hpp"
+#include "sm90_mainloop_3x.hpp"
 #include "tile_partials.hpp"
 
 namespace epifuse::sm90 {
@@ -33,25 +33,31 @@ using namespace cute;
 // row-major. A small batch would fill a 128-row tile with 128 - M rows of padding (8x the useful
 // TF32 math at M = 16, more than the time it takes to stream w); transposed, the batch is the
 // tile's N extent (padded to 64) and the weight's rows fill M (gemm_dispatch.cu, small_batch).
-// Split3xTf32: fp32 operands in the split_tf32 layout, multiplied at fp32 accuracy by the 3xTF32
-// mainloop (sm90_mainloop_3xtf32.hpp); the problem's K is then the split width 2 * Kp.
+// Split3x: fp32 operands in the split_fp16 layout (row-scaled FP16 hi/lo parts), multiplied at
+// fp32 accuracy by the 3x mainloop (sm90_mainloop_3x.hpp); the problem's K is then the split
+// width 2 * Kp, and the epilogue reads the accumulator scaled back by the rows' exponents.
 template <class ElementIn_, class TileShape_, class ClusterShape_, class Scheduler_,
-          bool kTransposed_ = false, bool kSplit3xTf32_ = false>
+          bool kTransposed_ = false, bool kSplit3x_ = false>
 struct TileConfig {
   using ElementIn = ElementIn_;
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using Scheduler = Scheduler_;
   static constexpr bool kTransposed = kTransposed_;
-  static constexpr bool kSplit3xTf32 = kSplit3xTf32_;
-  static_assert(!kSplit3xTf32 || std::is_same_v<ElementIn, float>, "3xTF32 splits fp32 operands");
+  static constexpr bool kSplit3x = kSplit3x_;
+  static_assert(!kSplit3x || std::is_same_v<ElementIn, float>, "the 3x GEMM splits fp32 operands");
+  // What the mainloop reads (the split's FP16 parts, or the operands themselves), and the leaf
+  // through which the epilogue reads the product.
+  using ElementOperand = std::conditional_t<kSplit3x, cutlass::half_t, ElementIn>;
+  using Acc = std::conditional_t<kSplit3x, evt::ScaledAccFetch<TileShape>,
+                                 cutlass::epilogue::fusion::Sm90AccFetch>;
 };
 
-// The 3xTF32 mainloop with the types CUTLASS's builder chose for the same TF32 GEMM (TMA copies,
+// The 3x mainloop with the types CUTLASS's builder chose for the same FP16 GEMM (TMA copies,
 // swizzled shared-memory layouts, wgmma atoms, stage count); only the consumer's MMA loop differs.
 template <class Built, class ClusterShape>
-using Split3xTf32Mainloop = cutlass::gemm::collective::CollectiveMma<
-    MainloopSm90TmaGmmaWarpSpecialized3xTF32<Built::DispatchPolicy::Stages, ClusterShape,
+using Split3xMainloop = cutlass::gemm::collective::CollectiveMma<
+    MainloopSm90TmaGmmaWarpSpecialized3x<Built::DispatchPolicy::Stages, ClusterShape,
                                              cutlass::gemm::KernelTmaWarpSpecializedCooperative>,
     typename Built::TileShape, typename Built::ElementA, typename Built::StrideA,
     typename Built::ElementB, typename Built::StrideB, typename Built::TiledMma,
@@ -59,9 +65,9 @@ using Split3xTf32Mainloop = cutlass::gemm::collective::CollectiveMma<
     typename Built::TransformA, typename Built::GmemTiledCopyB, typename Built::SmemLayoutAtomB,
     typename Built::SmemCopyAtomB, typename Built::TransformB>;
 
-// Promotion interval of the 3xTF32 mainloop in K-tiles of 16 k: kDefaultPromotionInterval, or
-// EPIFUSE_3XTF32_PROMOTION (>= 1) to measure others (gemm_dispatch.cu reads it once).
-uint32_t split3xtf32_promotion_interval();
+// Promotion interval of the 3x mainloop in K-tiles (of 32 k): kDefaultPromotionInterval, or
+// EPIFUSE_3X_PROMOTION (>= 1) to measure others (gemm_dispatch.cu reads it once).
+uint32_t split3x_promotion_interval();
 
 // GemmUniversalAdapter::initialize() raises the kernel's dynamic shared-memory limit with
 // cudaFuncSetAttribute on every call: ~7 us of host time per GEMM on the H100 machine, where a
@@ -102,6 +108,7 @@ cutlass::Status launch_kernel(const typename Kernel::Arguments& args, void* work
 template <class Config, class Fusion_>
 struct GemmKernel {
   using ElementIn = typename Config::ElementIn;
+  using ElementOperand = typename Config::ElementOperand;
   using ElementD = ElementIn;  // the GEMM output keeps the input dtype
   using TileShape = typename Config::TileShape;
   using ClusterShape = typename Config::ClusterShape;
@@ -109,7 +116,7 @@ struct GemmKernel {
   using LayoutD = std::conditional_t<Config::kTransposed, cutlass::layout::ColumnMajor,
                                      cutlass::layout::RowMajor>;
 
-  static constexpr int kAlignIn = 16 / sizeof(ElementIn);  // TMA: 16-byte aligned rows
+  static constexpr int kAlignIn = 16 / sizeof(ElementOperand);  // TMA: 16-byte aligned rows
   static constexpr int kAlignD = 16 / sizeof(ElementD);
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -121,14 +128,14 @@ struct GemmKernel {
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
-      ElementIn, cutlass::layout::RowMajor, kAlignIn,     // x: [M, K], K-major (transposed: w)
-      ElementIn, cutlass::layout::ColumnMajor, kAlignIn,  // w: [N, K], K-major (transposed: x)
+      ElementOperand, cutlass::layout::RowMajor, kAlignIn,     // x: [M, K], K-major (transposed: w)
+      ElementOperand, cutlass::layout::ColumnMajor, kAlignIn,  // w: [N, K], K-major (transposed: x)
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
   using CollectiveMainloop =
-      std::conditional_t<Config::kSplit3xTf32, Split3xTf32Mainloop<BuiltMainloop, ClusterShape>,
+      std::conditional_t<Config::kSplit3x, Split3xMainloop<BuiltMainloop, ClusterShape>,
                          BuiltMainloop>;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop,
@@ -140,8 +147,7 @@ struct GemmKernel {
   static Arguments make_arguments(const GemmProblem& p, typename Fusion::Arguments fusion_args,
                                   int device, int sm_count) {
     Arguments args = operand_arguments(p, fusion_args, device, sm_count);
-    if constexpr (Config::kSplit3xTf32)
-      args.mainloop.promotion_interval = split3xtf32_promotion_interval();
+    if constexpr (Config::kSplit3x) args.mainloop.promotion_interval = split3x_promotion_interval();
     return args;
   }
 
@@ -151,8 +157,8 @@ struct GemmKernel {
     using StrideB = typename Kernel::StrideB;
     using StrideC = typename Kernel::StrideC;
     using StrideD = typename Kernel::StrideD;
-    const auto* x = static_cast<const ElementIn*>(p.x);
-    const auto* w = static_cast<const ElementIn*>(p.w);
+    const auto* x = static_cast<const ElementOperand*>(p.x);
+    const auto* w = static_cast<const ElementOperand*>(p.w);
     auto* out = static_cast<ElementD*>(p.out);
     cutlass::KernelHardwareInfo hw_info{device, sm_count};
     if constexpr (Config::kTransposed) {
@@ -203,14 +209,25 @@ template <class Config>
 using AffineKernel = GemmKernel<
     Config, std::conditional_t<
                 Config::kTransposed,
-                evt::PerColumnAffineTransposed<typename Config::TileShape, typename Config::ElementIn>,
-                evt::PerColumnAffine<typename Config::TileShape, typename Config::ElementIn>>>;
+                evt::PerColumnAffineTransposed<typename Config::TileShape, typename Config::ElementIn,
+                                               typename Config::Acc>,
+                evt::PerColumnAffine<typename Config::TileShape, typename Config::ElementIn,
+                                     typename Config::Acc>>>;
 
 // The training epilogue. Only transposed configurations carry it: their per-column statistics are
 // per-row reductions of the tile, which cost a few registers (epilogues.hpp).
 template <class Config>
 using ColumnStatsKernel = GemmKernel<
-    Config, evt::ColumnStatisticsTransposed<typename Config::TileShape, typename Config::ElementIn>>;
+    Config, evt::ColumnStatisticsTransposed<typename Config::TileShape, typename Config::ElementIn,
+                                            typename Config::Acc>>;
+
+// The Acc leaf's arguments of a problem: the exponents of the kernel's A rows and B rows (x's and
+// w's, swapped in a transposed kernel), for split operands.
+template <class Config>
+typename Config::Acc::Arguments acc_args(const GemmProblem& p) {
+  return Config::kTransposed ? evt::acc_args<typename Config::Acc>(p.w_exponents, p.x_exponents)
+                             : evt::acc_args<typename Config::Acc>(p.x_exponents, p.w_exponents);
+}
 
 // Entry points, explicitly instantiated once per configuration in the sm90_gemm_*.cu translation
 // units (generated with their `extern template` declarations in sm90_gemm_kernels.hpp by
@@ -224,8 +241,8 @@ template <class Config>
 void run_affine(const GemmProblem& p, const EpilogueOperands& ops, void* workspace, int device,
                 int sm_count, cudaStream_t stream) {
   using K = AffineKernel<Config>;
-  K::run(p, evt::per_column_affine_args<typename K::Fusion>(ops.a, ops.c, ops.act), workspace, device,
-         sm_count, stream);
+  K::run(p, evt::per_column_affine_args<typename K::Fusion>(ops.a, ops.c, ops.act, acc_args<Config>(p)),
+         workspace, device, sm_count, stream);
 }
 
 // Training: the epilogue leaves one fp64 partial per column of z (a row of the transposed kernel's
@@ -264,8 +281,8 @@ void run_column_stats(const GemmProblem& p, const EpilogueOperands& ops, void* w
   double* psum = reinterpret_cast<double*>(base);
   double* psumsq = reinterpret_cast<double*>(base + Partials::bytes(p));
   void* gemm_workspace = base + 2 * Partials::bytes(p);
-  K::run(p, evt::column_statistics_args<typename K::Fusion>(psum, psumsq), gemm_workspace, device,
-         sm_count, stream);
+  K::run(p, evt::column_statistics_args<typename K::Fusion>(psum, psumsq, acc_args<Config>(p)),
+         gemm_workspace, device, sm_count, stream);
   sum_tile_partials(p.N, Partials::tiles(p), Partials::stride(p), psum, psumsq, ops.colsum,
                     ops.colsumsq, stream);
 }

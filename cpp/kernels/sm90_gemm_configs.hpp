@@ -19,10 +19,10 @@
 //  - SmallM (batches of M <= 384 rows, gemm_dispatch.cu): the transposed GEMM z^T = w . x^T with
 //    128x64 tiles, so the weight's rows fill the wgmma tile and the batch pads to a multiple of 64
 //    columns instead of 128 rows; stream-K, since few of these tiles may not fill the GPU.
-//  - Split3xTf32 (fp32 at fp32 accuracy on TF32 wgmma, sm90_mainloop_3xtf32.hpp, operands in the
-//    split_tf32 layout): 128x128 wide tiles, since each consumer thread holds the fp32 accumulator
+//  - Split3x (fp32 at fp32 accuracy on FP16 wgmma, sm90_mainloop_3x.hpp, operands in the
+//    split_fp16 layout): 128x128 wide tiles, since each consumer thread holds the fp32 accumulator
 //    and the tensor-core accumulator (64 + 64 registers; the 128x256 tile would need 256). The
-//    K-tile of 32 floats is 16 k of hi parts and their 16 lo parts.
+//    K-tile of 64 halves is 32 k of hi parts and their 32 lo parts.
 //  - Other clusters, tiles, schedules, raster orders and swizzles measured within 2% or below.
 #pragma once
 
@@ -39,11 +39,11 @@ using cutlass::gemm::StreamKScheduler;
 using Cluster2x1 = Shape<_2, _1, _1>;
 using Cluster1x1 = Shape<_1, _1, _1>;
 constexpr bool kTransposed = true;   // z^T = w . x^T (D' stored column-major, which is z itself)
-constexpr bool kSplit3xTf32 = true;  // operands in the split_tf32 layout, the 3xTF32 mainloop
+constexpr bool kSplit3x = true;      // operands in the split_fp16 layout, the 3x mainloop
 
 // The schedules of one mode (TileConfig aliases <Mode><Schedule>, e.g. Tf32WideSK):
 enum class Schedule {
-  kWide,              // 128x256 tiles (3xTF32: 128x128) over z, data-parallel persistent
+  kWide,              // 128x256 tiles (3x: 128x128) over z, data-parallel persistent
   kWideSK,            // the same, stream-K: grids of fewer tiles than SMs
   kWideTransposed,    // the wide tiles over z^T (the training epilogue's reductions per tile row)
   kWideTransposedSK,  // the same, stream-K

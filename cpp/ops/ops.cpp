@@ -82,12 +82,12 @@ at::Tensor rows_with_unit_stride(const at::Tensor& t) {
   return ok ? t : t.contiguous();
 }
 
-// Whether a product's 3xTF32 split of w may be kept while w's version is unchanged
+// Whether a product's 3x split of w may be kept while w's version is unchanged
 // (weight_split_cache.h). Every caller says which, no default: kMayKeep only for a layer's weight as
 // the op's caller passed it. The backward's products pass kNeverKeep: their w is W^T or x^T, a view
 // made here below autograd's ADInplaceOrView (so with a version counter of its own, which no write
 // to the weight bumps: a kept split of it went stale after the first optimizer step), of an
-// activation or of a weight that changes every step (a kept split would only pin 2x its bytes).
+// activation or of a weight that changes every step (a kept split would only pin its bytes again).
 enum class WeightSplit { kMayKeep, kNeverKeep };
 
 struct PreparedGemm {
@@ -197,7 +197,7 @@ void run_gemm(PreparedGemm& g, const GemmPlan& plan, const EpilogueOperands& ops
   at::Tensor w_split;  // kept alive until the GEMM is enqueued
   if (plan.splits_operands && g.w_split == WeightSplit::kMayKeep) {
     w_split = cached_weight_split(g.w, g.problem, current_stream());
-    g.problem.w_split = w_split.defined() ? w_split.data_ptr<float>() : nullptr;
+    g.problem.w_split = w_split.defined() ? w_split.data_ptr() : nullptr;
   }
   const size_t bytes = gemm_workspace_bytes(plan, g.problem);
   at::Tensor workspace;
@@ -737,7 +737,7 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
     return product;
   }
   // a . b = a . (b^T)^T: the GEMM of the forward with b^T as its weight, a view (no copy).
-  // Only the Hopper 3xTF32 plan runs here (its split reads any strides); everything else is cuBLAS,
+  // Only the Hopper 3x plan runs here (its split reads any strides); everything else is cuBLAS,
   // which takes the transposed views as they are, except that in TF32 the dispatcher may ask for
   // K-major copies of MN-major operands (cublas_tf32_k_major_copies says when and what it measured).
   // Our own TF32 kernel needs K-major operands too: with such copies (then Tensor::contiguous),

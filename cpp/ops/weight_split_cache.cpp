@@ -105,8 +105,8 @@ at::Tensor kept(const at::Tensor& w, int kind, cudaStream_t stream,
 
 at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaStream_t stream) {
   return kept(w, kSplit, stream, [&] {
-    at::Tensor split = at::empty({int64_t(split_weight_floats(p))}, w.options().dtype(at::kFloat));
-    split_weight(p, split.data_ptr<float>(), stream);
+    at::Tensor split = at::empty({int64_t(split_weight_bytes(p))}, w.options().dtype(at::kByte));
+    split_weight(p, split.data_ptr(), stream);
     return split;
   });
 }

@@ -1,12 +1,12 @@
-// Operands made from a weight (its 3xTF32 split, its 16-bit cast under autocast), kept while the
+// Operands made from a weight (its 3x split, its 16-bit cast under autocast), kept while the
 // weight does not change.
 //
-// The Hopper 3xTF32 GEMM multiplies operands split into TF32 hi/lo parts (split_tf32.cu), and a head
+// The Hopper 3x GEMM multiplies operands split into FP16 hi/lo parts (split_fp16.cu), and a head
 // under autocast multiplies a 16-bit cast of the weight. Making either costs a read of the weight and
 // a write of the operand on every call; for a weight that stays the same between calls (inference)
 // it can be made once. A weight that changes between calls (training: the optimizer updates it in
 // place every step) gains nothing from a cache and would pin the operand in memory (twice the
-// weight for a split, half of it for a cast), so an operand is kept only after two calls in a row
+// weight's bytes for a split, half of them for a cast), so an operand is kept only after two calls in a row
 // see the same version:
 //   - the key is the view (storage, offset, sizes, strides) and the kind of operand: W's split and
 //     its bf16 cast are two keys;
@@ -36,8 +36,8 @@
 
 namespace epifuse {
 
-// The split of p's weight (p.w, viewed through `w`) if it is worth keeping: a defined float32 tensor
-// of split_weight_floats(p) elements; undefined otherwise (the GEMM then splits into its workspace).
+// The split of p's weight (p.w, viewed through `w`) if it is worth keeping: a defined uint8 tensor
+// of split_weight_bytes(p) bytes; undefined otherwise (the GEMM then splits into its workspace).
 at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaStream_t stream);
 
 // w.to(dtype), kept while w is unchanged (CUDA tensors; elsewhere, and under capture, a plain cast).

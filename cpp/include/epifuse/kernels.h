@@ -18,10 +18,12 @@ namespace epifuse {
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 
 // How a GEMM multiplies. kIEEE: exact fp32 products (FFMA); kTF32: fp32 inputs on the tensor cores
-// with TF32 operands; k3xTF32: fp32 inputs split into TF32 big + small parts, three tensor-core
-// products (small*big + big*small + big*big), fp32 accuracy (on Hopper with the tensor-core sums
-// promoted to fp32 registers, sm90_mainloop_3xtf32.hpp); kNative: 16-bit inputs on the tensor
-// cores. Accumulation is fp32 always.
+// with TF32 operands; k3xTF32: fp32 inputs split into big + small parts, three tensor-core
+// products (small*big + big*small + big*big), fp32 accuracy: on Hopper the parts are row-scaled
+// FP16 (split_fp16.cu) and the tensor-core sums are promoted to fp32 registers
+// (sm90_mainloop_3x.hpp), on sm80 they are TF32 (CUTLASS's OpMultiplyAddFastF32); the mode keeps
+// the name the precision setting has ('3xtf32'). kNative: 16-bit inputs on the tensor cores.
+// Accumulation is fp32 always.
 enum class MathMode { kIEEE, kTF32, k3xTF32, kNative };
 
 // ---- what this build can run -------------------------------------------------------------------
@@ -52,9 +54,13 @@ struct GemmProblem {
   DType dtype = DType::kFloat32;              // of x, w and out alike
   MathMode math = MathMode::kTF32;
   // Optional, for plans that split their operands (GemmPlan::splits_operands): w already split
-  // (split_tf32_ld(K) floats per row, see split_tf32.hpp), e.g. cached while the weight is unchanged;
-  // null: the GEMM splits w into its workspace.
-  const float* w_split = nullptr;
+  // (split_weight below), e.g. cached while the weight is unchanged; null: the GEMM splits w into
+  // its workspace.
+  const void* w_split = nullptr;
+  // Set by split plans on the problem their GEMM runs (x and w then point at split parts): the
+  // scale exponents of x's rows and w's rows (split_fp16.hpp), which the epilogue applies.
+  const float* x_exponents = nullptr;
+  const float* w_exponents = nullptr;
 };
 
 // ---- The activation of a head: after the per-column affine, before the softmax ----------------
@@ -85,7 +91,7 @@ enum class GemmKernelKind {
   kPortable,         // the SIMT GEMM writing z, then the epilogue as its own pass (any alignment)
   kHostSgemm,        // cuBLAS's SGEMM, run by the op layer, then epilogue_pass (gemm_run: kPortable)
   kSm90,             // one Hopper TMA + wgmma GEMM with the epilogue fused (TF32, 16-bit)
-  kSm90Split3xTf32,  // the operands split into TF32 hi/lo parts, then the Hopper 3xTF32 GEMM
+  kSm90Split3x,      // the operands split into FP16 hi/lo parts, then the Hopper 3x GEMM
   kSm80,             // one CUTLASS 2.x mma.sync GEMM with the epilogue fused (TF32, 3xTF32, 16-bit)
 };
 
@@ -99,14 +105,14 @@ struct KMajorCopies {
 
 struct GemmPlan {
   GemmKernelKind kind = GemmKernelKind::kEmpty;
-  // The tile configuration of kSm90 / kSm90Split3xTf32 / kSm80: a row of the generated kernel table
+  // The tile configuration of kSm90 / kSm90Split3x / kSm80: a row of the generated kernel table
   // (generate_kernels.py), named for logs; -1 and "" for the other kinds.
   int kernel = -1;
   const char* kernel_name = "";
   // kind == kHostSgemm: the op layer runs cuBLAS's SGEMM (IEEE fp32) before epilogue_pass; chosen
   // for IEEE math, and for 3xTF32 problems too small to gain from the split.
   bool host_sgemm = false;
-  // kind == kSm90Split3xTf32: the GEMM multiplies operands split into TF32 hi/lo parts. It reads
+  // kind == kSm90Split3x: the GEMM multiplies operands split into FP16 hi/lo parts. It reads
   // x and w with any strides; p.w_split may carry a split made ahead of time (split_weight below).
   bool splits_operands = false;
   // Every other plan reads rows with unit column stride: the caller replaces an operand marked here
@@ -123,7 +129,7 @@ struct GemmPlan {
   // Split plans split x in chunks of x_chunk rows (the output's rows; the affine epilogue only) and
   // w in chunks of w_chunk rows (the output's columns), one GEMM per pair of chunks (chunk_kernel,
   // the tile configuration for that shape), so that the split of a large operand never exists whole
-  // (the 3xTF32 split of problem 84's 8192x8192 weight is 512 MiB). Given p.w_split, the GEMMs
+  // (the split of problem 84's 8192x8192 weight is 256 MiB). Given p.w_split, the GEMMs
   // (kernel) read it over all of N. x_chunk == M, w_chunk == N: one chunk.
   int64_t x_chunk = 0, w_chunk = 0;
   int chunk_kernel = -1;
@@ -202,10 +208,10 @@ void transpose(const void* src, int64_t ld_src, void* dst, int64_t ld_dst, int64
                int64_t cols, DType dtype, cudaStream_t stream);
 
 // The weight of a problem whose plan splits its operands (p.w, p.N, p.K, p.ldw, p.w_col_stride)
-// split into dst, which holds split_weight_floats(p) floats; the caller may keep it as p.w_split
-// while the weight is unchanged.
-size_t split_weight_floats(const GemmProblem& p);
-void split_weight(const GemmProblem& p, float* dst, cudaStream_t stream);
+// split into dst, split_weight_bytes(p) bytes (256-byte aligned); the caller may keep it as
+// p.w_split while the weight is unchanged.
+size_t split_weight_bytes(const GemmProblem& p);
+void split_weight(const GemmProblem& p, void* dst, cudaStream_t stream);
 
 // Applies the epilogue to a product already stored in p.out (computed by another GEMM, e.g. cuBLAS):
 // kAffine rewrites it in place, kColumnStats reads it into colsum / colsumsq.

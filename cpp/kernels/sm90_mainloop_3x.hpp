@@ -1,23 +1,28 @@
-// A Hopper mainloop for fp32 GEMMs at fp32 accuracy on the TF32 tensor cores ("3xTF32").
+// A Hopper mainloop for fp32 GEMMs at fp32 accuracy on the tensor cores ("3x").
 //
-// Why not one TF32 wgmma pass: TF32 keeps 10 of fp32's 23 mantissa bits (relative error ~2^-11 per
-// operand). Splitting each operand v = hi + lo, hi = tf32(v), lo = tf32(v - hi), and summing
+// Why not one 16-bit or TF32 wgmma pass: those keep 11 of fp32's 24 significant bits (relative
+// error ~2^-11 per operand). Splitting each operand v = hi + lo into two such parts and summing
 //     lo_a*hi_b + hi_a*lo_b + hi_a*hi_b      (lo*lo, ~2^-22 relative, dropped)
-// recovers ~21 bits per product. But Hopper's wgmma also aligns each k8 group of products to the
-// largest exponent and truncates while it accumulates; one tensor-core accumulator carried over all
-// of K collects that bias (measured on an H100, M = 1024, N = K = 8192: 8.4e-5 relative error for
-// the three products through one accumulator, against 1.6e-6 for cuBLAS's FFMA SGEMM). So, as
+// recovers ~22 bits per product. The parts are FP16 (split_fp16.cu, each operand row scaled by a
+// power of two into FP16's range; the epilogue scales the product back), which Hopper multiplies
+// at twice the TF32 rate; the loop below also runs TF32 parts (the layout and the order of the
+// wgmmas are the same), which is where it started: FP16 parts measured 1.7x faster at problem
+// 39's and 84's shapes with a smaller error (benchmarks/kernels/fp16x3_split.cu).
+//
+// But Hopper's wgmma also aligns each k-group of products to the largest exponent and truncates
+// while it accumulates; one tensor-core accumulator carried over all of K collects that bias
+// (measured on an H100 with TF32 parts, M = 1024, N = K = 8192: 8.4e-5 relative error for the
+// three products through one accumulator, against 1.6e-6 for cuBLAS's FFMA SGEMM). So, as
 // CUTLASS's FP8 mainloop does for FP8 (GmmaFP8Accumulation, `mma_promotion_interval`), the
 // tensor-core accumulator restarts every `promotion_interval` K-tiles and is added into an fp32
-// register accumulator with round-to-nearest FADDs ("promotion"). Measured then (same shape):
-// promoting every 32 / 64 / 128 / 256 k gave 3.2e-7 / 2.8e-7 / 3.7e-7 / 6.4e-7 (SGEMM 1.6e-6).
+// register accumulator with round-to-nearest FADDs ("promotion").
 //
-// Operand layout (split_tf32.cu writes it): each fp32 operand row of K values is stored as 2*Kp
-// floats, Kp = K rounded up to 16, in blocks of 32: the 16 hi parts of k = 16j..16j+15, then their
-// 16 lo parts. A 32-float K-tile (128 bytes, the 128B-swizzle width, as in the plain TF32 kernel)
-// thus holds hi and lo of the same 16 k: wgmma k-blocks 0-1 are hi, 2-3 are lo. CUTLASS sees an
-// ordinary TF32 GEMM with K' = 2*Kp; only the order of the wgmmas below differs, so TMA, the
-// pipeline, the schedulers (persistent and stream-K) and the epilogues are CUTLASS's own.
+// Operand layout (split_fp16.cu writes it): each operand row of K values is stored as 2*Kp parts,
+// Kp = K rounded up to the K-tile's k, in 128-byte blocks (the 128B-swizzle width): the hi parts
+// of 32 consecutive k (FP16; TF32: 16), then their lo parts. A K-tile thus holds hi and lo of the
+// same k: wgmma k-blocks 0-1 are hi, 2-3 are lo. CUTLASS sees an ordinary GEMM with K' = 2*Kp;
+// only the order of the wgmmas below differs, so TMA, the pipeline, the schedulers (persistent
+// and stream-K) and the epilogues are CUTLASS's own.
 //
 // The two consumer warpgroups of the cooperative kernel promote half an interval apart: while one
 // drains its wgmmas and adds, the other keeps the tensor cores busy.
@@ -35,18 +40,18 @@ namespace epifuse::sm90 {
 
 // Dispatch tag of the mainloop below; everything else is CUTLASS's TMA warp-specialized policy.
 template <int Stages_, class ClusterShape_, class KernelSchedule_>
-struct MainloopSm90TmaGmmaWarpSpecialized3xTF32
+struct MainloopSm90TmaGmmaWarpSpecialized3x
     : cutlass::gemm::MainloopSm90TmaGmmaWarpSpecialized<Stages_, ClusterShape_, KernelSchedule_> {};
 
-// Default promotion interval in K-tiles of 16 k (a runtime argument, EPIFUSE_3XTF32_PROMOTION).
-// Measured on an H100 (max relative error vs float64 over 3 seeds, M = N = 1024, x ~ U[0, 1), as a
-// ratio to cuBLAS SGEMM's; and the GEMM's time at problem 84's / 39's shape):
-//   every 16 k (1 K-tile):  K = 16: 1.17, 32: 0.98, 64: 0.67, 256: 0.37, 1024: 0.24, 8192: 0.35;
-//                           1.035 ms / 4.60 ms
-//   every 32 k (2):         K = 32: 1.58, 64: 1.28, 128: 0.99, 1024: 0.37, 8192: 0.34;  1.024 / 4.48
-//   every 64 k (4):         K = 64: 2.34, 512: 1.01, 2048: 1.04, 8192: 0.55;            1.023 / 4.79
-// Only every K-tile keeps the error at or below SGEMM's from K = 32 up, at a cost of 1% on problem
-// 84 (problem 39 runs faster than with 4); below K = 64, SGEMM runs instead (gemm_dispatch.cu).
+// Default promotion interval in K-tiles (a runtime argument, EPIFUSE_3X_PROMOTION). With FP16
+// parts, measured on an H200 (max |error| / max |result| against float64, as a ratio to cuBLAS
+// SGEMM's; M = N = 1024 unless said, x ~ U[0, 1); benchmarks/kernels/fp16x3_split.cu):
+//   every K-tile (32 k):  K = 64: 0.40, 128: 0.34, 256: 0.29, 1024: 0.19, 8192: 0.60;
+//                         problem 39's shape 0.20, 2.33 ms; problem 84's 0.17, 0.557 ms
+//   every 2 (64 k):       K = 64: 0.89, 128: 0.77, 256: 0.50, 1024: 0.22, 8192: 0.48;
+//                         problem 39's 0.15, 2.60 ms; problem 84's 0.12, 0.549 ms
+// Every K-tile keeps the small-K error well below SGEMM's at no cost in time. (With TF32 parts,
+// whose K-tile is 16 k, promoting every 16 k was needed from K = 32 up: measured on an H100.)
 constexpr uint32_t kDefaultPromotionInterval = 1;
 
 }  // namespace epifuse::sm90
@@ -59,12 +64,12 @@ template <int Stages, class ClusterShape, class KernelSchedule, class TileShape_
           class SmemLayoutAtomA_, class SmemCopyAtomA_, class TransformA_, class GmemTiledCopyB_,
           class SmemLayoutAtomB_, class SmemCopyAtomB_, class TransformB_>
 struct CollectiveMma<
-    epifuse::sm90::MainloopSm90TmaGmmaWarpSpecialized3xTF32<Stages, ClusterShape, KernelSchedule>,
+    epifuse::sm90::MainloopSm90TmaGmmaWarpSpecialized3x<Stages, ClusterShape, KernelSchedule>,
     TileShape_, ElementA_, StrideA_, ElementB_, StrideB_, TiledMma_, GmemTiledCopyA_,
     SmemLayoutAtomA_, SmemCopyAtomA_, TransformA_, GmemTiledCopyB_, SmemLayoutAtomB_,
     SmemCopyAtomB_, TransformB_> {
   using DispatchPolicy =
-      epifuse::sm90::MainloopSm90TmaGmmaWarpSpecialized3xTF32<Stages, ClusterShape, KernelSchedule>;
+      epifuse::sm90::MainloopSm90TmaGmmaWarpSpecialized3x<Stages, ClusterShape, KernelSchedule>;
   using TileShape = TileShape_;
   using ElementA = ElementA_;
   using StrideA = StrideA_;
@@ -98,23 +103,26 @@ struct CollectiveMma<
       make_shape(shape<1>(TileShape{}), shape<2>(TileShape{}), Int<DispatchPolicy::Stages>{}),
       Step<_1, _2, _3>{}));
 
-  // The split layout: one K-tile = hi and lo of 16 k, each 2 wgmma k-blocks of 8.
+  // The split layout: one K-tile of 128 bytes = hi and lo of its k (16 TF32 or 32 FP16 k), each 2
+  // wgmma k-blocks (of 8 k for TF32, 16 k for FP16).
   static constexpr int kKBlocksPerTile = size<2>(TileShape{}) / TiledMma{}.template tile_size_mnk<2>();
-  static_assert(size<2>(TileShape{}) == 32 && kKBlocksPerTile == 4,
-                "3xTF32 mainloop: K-tile of 32 floats = 16 hi + 16 lo parts (split_tf32.cu)");
-  static_assert(cute::is_same_v<typename TiledMma::ValTypeA, tfloat32_t> &&
-                    cute::is_same_v<typename TiledMma::ValTypeB, tfloat32_t>,
-                "3xTF32 mainloop: TF32 wgmma");
-  static_assert(DispatchPolicy::Stages >= 2, "3xTF32 mainloop: at least 2 stages");
+  static_assert(size<2>(TileShape{}) * sizeof_bits<typename TiledMma::ValTypeA>::value == 128 * 8 &&
+                    kKBlocksPerTile == 4,
+                "3x mainloop: K-tile of 128 bytes = its hi parts, then their lo parts (split_fp16.cu)");
+  static_assert((cute::is_same_v<typename TiledMma::ValTypeA, tfloat32_t> ||
+                 cute::is_same_v<typename TiledMma::ValTypeA, half_t>) &&
+                    cute::is_same_v<typename TiledMma::ValTypeA, typename TiledMma::ValTypeB>,
+                "3x mainloop: TF32 or FP16 wgmma on both operands");
+  static_assert(DispatchPolicy::Stages >= 2, "3x mainloop: at least 2 stages");
   static_assert(cute::is_base_of<cute::GMMA::DescriptorIterator, typename TiledMma::FrgTypeA>::value &&
                     cute::is_base_of<cute::GMMA::DescriptorIterator, typename TiledMma::FrgTypeB>::value,
-                "3xTF32 mainloop: A and B from shared memory");
+                "3x mainloop: A and B from shared memory");
   static_assert(cute::is_same_v<GmemTiledCopyA, SM90_TMA_LOAD> ||
                     cute::is_same_v<GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>,
-                "3xTF32 mainloop: TMA loads");
+                "3x mainloop: TMA loads");
   static_assert(cute::is_same_v<GmemTiledCopyB, SM90_TMA_LOAD> ||
                     cute::is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>,
-                "3xTF32 mainloop: TMA loads");
+                "3x mainloop: TMA loads");
 
   struct SharedStorage {
     struct TensorStorage : cute::aligned_struct<128, _0> {
@@ -170,9 +178,9 @@ struct CollectiveMma<
     constexpr int kAlign = 128 / cutlass::sizeof_bits<ElementA>::value;
     bool ok = cutlass::detail::check_alignment<kAlign>(cute::make_shape(M, K, L), StrideA{}) &&
               cutlass::detail::check_alignment<kAlign>(cute::make_shape(N, K, L), StrideB{});
-    ok = ok && K % size<2>(TileShape{}) == 0;  // whole hi/lo blocks (split_tf32 pads K)
+    ok = ok && K % size<2>(TileShape{}) == 0;  // whole hi/lo blocks (split_fp16 pads K)
     ok = ok && args.promotion_interval >= 1;
-    if (!ok) CUTLASS_TRACE_HOST("  CAN IMPLEMENT: 3xTF32 operands not in the split layout.\n");
+    if (!ok) CUTLASS_TRACE_HOST("  CAN IMPLEMENT: 3x operands not in the split layout.\n");
     return ok;
   }
 

@@ -1,10 +1,12 @@
-"""PyTorch's default precision on the tensor cores: the Hopper 3xTF32 GEMM.
+"""PyTorch's default precision on the tensor cores: the Hopper 3x GEMM (precision '3xtf32').
 
 Under ``torch.get_float32_matmul_precision() == 'highest'`` (PyTorch's default) the fused path runs
-3xTF32 (precision.py). These tests hold it to what that promises: errors against float64 no larger
-than cuBLAS's SGEMM (what eager PyTorch runs there), on a shape sweep with small K and on offset
-inputs; IEEE results for non-finite inputs; a weight split that is never stale; and a
-KernelBench-style harness check of both problems at full size.
+the fp32-accurate 3x mode (precision.py): on Hopper, operands split into row-scaled FP16 hi/lo
+parts (split_fp16.cu) and three FP16 wgmma products. These tests hold it to what that promises:
+errors against float64 no larger than cuBLAS's SGEMM (what eager PyTorch runs there), on a shape
+sweep with small K and on offset inputs; rows far outside FP16's range scaled exactly; IEEE
+results for non-finite inputs; a weight split that is never stale; and a KernelBench-style harness
+check of both problems at full size.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def _is_hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the 3xTF32 wgmma GEMM is Hopper's")
+hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the 3x wgmma GEMM is Hopper's")
 
 
 def _kernels_run(fn) -> set[str]:
@@ -57,7 +59,7 @@ def _sgemm(x, w):
 
 
 # (M, K, N) of at least 2^30 multiply-adds, K >= 64 (smaller problems run SGEMM: see
-# test_small_problems_run_sgemm): small K (4 K-tiles of 16 k), a ragged batch tile, both problems'
+# test_small_problems_run_sgemm): small K (2 K-tiles of 32 k), a ragged batch tile, both problems'
 # shapes, a stream-K grid (fewer 128x128 tiles than SMs).
 SWEEP = [(4096, 64, 4096), (2048, 256, 2048), (2100, 2304, 256), (1024, 1024, 1024),
          (400, 2048, 4096), (1024, 8192, 8192), (4096, 4096, 4096)]
@@ -115,6 +117,32 @@ def test_batches_taller_than_one_split_launch(layout):
     finite[m - 7] = False
     assert rel_err(z[finite], expected[finite]) <= 1e-6
     assert torch.isnan(colsum).all() and torch.isnan(colsumsq).all()  # eager BatchNorm's too
+
+
+@hopper_only
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_rows_scaled_by_powers_of_two_scale_the_product_exactly(layout):
+    """split_fp16 scales each operand row into FP16's range by a power of two and the epilogue
+    scales the product back (ldexp, exact): rows of x scaled by 2^-40 .. 2^100 (far outside FP16's
+    2^-24 .. 2^16) and a weight scaled by 2^-30 give the product of the unscaled operands scaled by
+    the same powers, bit for bit, in both epilogues and both split paths (row-major: a block per
+    row; column-major, a transposed view: the tiled path)."""
+    m = k = n = 1024
+    x, w = _operands(m, k, n, seed=21)
+    g = torch.Generator(device=CUDA).manual_seed(22)
+    e = torch.randint(-40, 101, (m,), device=CUDA, generator=g)
+    scale = torch.pow(2.0, e.double()).float()[:, None]
+    xs, ws = x * scale, w * 2.0 ** -30  # exact: powers of two, no value leaves fp32's normals
+    expected = scale * 2.0 ** -30
+    if layout == "column-major":
+        x, xs = x.t().contiguous().t(), xs.t().contiguous().t()
+    a, c = torch.ones(n, device=CUDA), torch.zeros(n, device=CUDA)
+    assert _ran_split_gemm(lambda: ops.gemm_affine(xs, ws, a, c, "3xtf32"))
+    y = ops.gemm_affine(x, w, a, c, "3xtf32")
+    assert torch.equal(ops.gemm_affine(xs, ws, a, c, "3xtf32"), y * expected)
+    z = ops.gemm_colstats(x, w, "3xtf32")[0]
+    assert torch.equal(ops.gemm_colstats(xs, ws, "3xtf32")[0], z * expected)
+    assert rel_err(y, x.double() @ w.double().T) <= 1e-6
 
 
 @hopper_only
@@ -280,8 +308,8 @@ def test_tall_x_split_in_chunks_of_rows():
 
 @hopper_only
 def test_product_with_a_large_weight_allocates_chunks_not_its_whole_split():
-    """Problem 84's dX = dZ . W at default precision: the 3xTF32 split of W^T (512 MiB whole) is
-    made 128 MiB at a time, so the product allocates its output, dZ's split (64 MiB) and one chunk
+    """Problem 84's dX = dZ . W at default precision: the split of W^T (256 MiB whole) is
+    made 128 MiB at a time, so the product allocates its output, dZ's split (32 MiB) and one chunk
     (the training step's peak stayed at 1.47x eager's with the whole split; BENCHMARKS.md)."""
     g = torch.Generator(device=CUDA).manual_seed(16)
     dz = torch.randn(1024, 8192, device=CUDA, generator=g)

@@ -8,14 +8,14 @@ initializes it, and the same with x + 100, where a column's mean dwarfs its spre
   cuBLAS SGEMM     torch.mm at 'highest' (IEEE fp32 FFMA): what eager PyTorch runs by default
   cuBLAS TF32      torch.mm with TF32 allowed
   epifuse TF32     gemm_affine(precision='tf32')
-  epifuse 3xTF32   gemm_affine(precision='3xtf32'): the Hopper 3xTF32 GEMM with promoted sums
+  epifuse 3x       gemm_affine(precision='3xtf32'): the Hopper 3x GEMM (FP16 parts) with promoted sums
                    (per promotion interval, when --promotion is given)
-  epifuse 3xTF32 sm80   the same op with EPIFUSE_FORCE_SM80=1 (CUTLASS's mma.sync FastF32)
+  epifuse 3xTF32 sm80   the same op with EPIFUSE_FORCE_SM80=1 (CUTLASS's mma.sync FastF32, TF32 parts)
 
 Error = ||C - C64|| / ||C64|| (Frobenius), C64 from float64 operands on the GPU. TFLOP/s count
 2*M*N*K per call, the median of CUDA-event timings (benchmarks.timing, L2 flushed before each call
 as triton.testing.do_bench does). Settings that the library reads once per process
-(EPIFUSE_FORCE_SM80, EPIFUSE_3XTF32_PROMOTION) run in a child process each.
+(EPIFUSE_FORCE_SM80, EPIFUSE_3X_PROMOTION) run in a child process each.
 """
 
 from __future__ import annotations
@@ -101,9 +101,9 @@ def rows(problems: list[int], promotions: list[int], reps: int) -> list[dict]:
             result.append(r)
             torch.cuda.empty_cache()
         for interval in promotions:
-            r = _child("epifuse-3xtf32", p, reps, {"EPIFUSE_3XTF32_PROMOTION": str(interval)})
+            r = _child("epifuse-3xtf32", p, reps, {"EPIFUSE_3X_PROMOTION": str(interval)})
             if r:
-                r["label"] = f"epifuse-3xtf32 (promote every {16 * interval} k)"
+                r["label"] = f"epifuse-3xtf32 (promote every {32 * interval} k)"
                 result.append(r)
         r = _child("epifuse-3xtf32", p, reps, {"EPIFUSE_FORCE_SM80": "1"})
         if r:
@@ -113,7 +113,7 @@ def rows(problems: list[int], promotions: list[int], reps: int) -> list[dict]:
 
 
 def error_sweep(ks: list[int], m: int, n: int, seeds: int = 3) -> list[dict]:
-    """Error vs float64 of SGEMM and of this process's 3xTF32 GEMM at each K (x and x + 100)."""
+    """Error vs float64 of SGEMM and of this process's 3x GEMM at each K (x and x + 100)."""
     from epifuse import ops
 
     device = torch.device("cuda")
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--problems", "--problem", type=int, nargs="+", default=[84, 39],
                     choices=sorted(SHAPES))
     ap.add_argument("--promotion", type=int, nargs="*", default=[],
-                    help="also time 3xTF32 at these promotion intervals (K-tiles of 16 k)")
+                    help="also time the 3x GEMM at these promotion intervals (K-tiles of 32 k)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--error-sweep", type=int, nargs="*", metavar="K",

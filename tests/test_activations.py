@@ -479,7 +479,7 @@ def test_activations_fuse_leaves_outside(fused_on_cpu, op_calls):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("act_id", ACTIVATIONS)
 def test_activations_on_gpu_no_farther_from_float64_than_eager(act_id, training, softmax):
-    # 1024 x 1024 -> 1024: at PyTorch's default precision the split 3xTF32 GEMM runs (Hopper).
+    # 1024 x 1024 -> 1024: at PyTorch's default precision the split 3x GEMM runs (Hopper).
     ref, new = _pair("bn", act_id, softmax, device="cuda", in_f=1024, out_f=1024)
     ref.train(training), new.train(training)
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -132,7 +132,7 @@ def test_fuse_takes_a_projection_mlp_with_an_affine_free_last_batchnorm(fused_on
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variants_on_gpu_no_farther_from_float64_than_eager(variant, training):
-    # 1024 x 1024 -> 1024: at PyTorch's default precision the split 3xTF32 GEMM runs (Hopper).
+    # 1024 x 1024 -> 1024: at PyTorch's default precision the split 3x GEMM runs (Hopper).
     ref, new = _pair(variant, softmax=False, device="cuda", in_f=1024, out_f=1024)
     ref.train(training), new.train(training)
     g = torch.Generator(device="cuda").manual_seed(1)

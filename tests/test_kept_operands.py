@@ -1,6 +1,6 @@
 """Kept operands (cpp/ops/weight_split_cache.h) across CUDA streams.
 
-A weight's 3xTF32 split, or its 16-bit cast under autocast, is kept while the weight is unchanged
+A weight's 3x split, or its 16-bit cast under autocast, is kept while the weight is unchanged
 and made on whichever stream first needs it. A forward on another stream must wait for it to be
 written, and a weight written in between must never be read through a stale copy. Each test delays
 the stream that makes the kept operand (``torch.cuda._sleep``) and reads it at once from a second
@@ -64,7 +64,7 @@ def _streams():
 
 def test_weight_split_made_on_one_stream_is_waited_for_on_another():
     if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the split 3xTF32 GEMM (and its kept weight split) is Hopper's")
+        pytest.skip("the split 3x GEMM (and its kept weight split) is Hopper's")
     # 1024 x 2048 -> 1024: 2^31 multiply-adds, over the split's threshold (gemm_dispatch.cu).
     gen = torch.Generator(device=CUDA).manual_seed(0)
     x = torch.randn(1024, 2048, device=CUDA, generator=gen)
@@ -141,7 +141,7 @@ def test_inference_tensor_weights_are_never_kept(autocast):
     counter to key a kept operand on (reading it raised "Inference tensors do not track version
     counter"): its eval forward runs fused, making the weight's split or cast at every call."""
     if autocast is None and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the split 3xTF32 GEMM (and its kept weight split) is Hopper's")
+        pytest.skip("the split 3x GEMM (and its kept weight split) is Hopper's")
     from epifuse import fast_path_reason
     from epifuse.problems import gemm_scale_bn
 
@@ -177,7 +177,7 @@ def test_inference_tensor_weights_are_never_kept(autocast):
 
 
 def test_training_steps_see_every_weight_and_input_update():
-    """Default precision (3xTF32) training as a loop runs it: between steps the weight is updated in
+    """Default precision (3x GEMM) training as a loop runs it: between steps the weight is updated in
     place (an optimizer) and the input batch is copied into the same buffer (a static input, as for
     CUDA graphs or pinned loading). Every step's dX and dW must follow both. The backward's products
     read W^T and x^T, views made below autograd whose version counters no such write bumps: a kept
@@ -199,7 +199,7 @@ def test_training_steps_see_every_weight_and_input_update():
                 model.zero_grad(set_to_none=True)
                 xr = x.requires_grad_()
                 y = model(xr)
-                if model is new:  # the fused head ran, its backward on split (3xTF32) GEMMs
+                if model is new:  # the fused head ran, its backward on split (3x) GEMMs
                     assert y.grad_fn.name() == FUSED_NODE
                     assert any("split_fp16" in k for k in _kernels(lambda: y.backward(grad)))
                 else:

@@ -14,7 +14,8 @@
 //    the row held in registers between its maximum and its split: one read, one write;
 //  - any other strides (the backward's transposed views) or K: 32x32 tiles through shared memory,
 //    so that reads along whichever extent is contiguous and writes along K are coalesced; a first
-//    pass takes the rows' maxima (atomicMax on the bits of non-negative floats), the second splits.
+//    pass takes the rows' maxima (atomicMax on the bits of non-negative floats; for a row-
+//    contiguous source straight from global memory), the second splits.
 //
 // NaN and +-Inf keep hi = v (FP16's NaN / Inf), lo = 0, leave the row's scale to its finite
 // values, and flag the row: the GEMM then recomputes such rows of x in IEEE fp32 (the cross terms
@@ -106,18 +107,23 @@ split_fp16_rows_kernel(const float* __restrict__ src, int64_t cols, int64_t ld_r
 }
 
 // ---- any strides, tiled ------------------------------------------------------------------------
-// tile[r][k] <- src over the block's 32 rows x 32 k (zero outside), lanes along the contiguous extent.
-__device__ __forceinline__ void load_tile(float (&tile)[kTile][kTile + 1], const float* src,
+// tile[r][k] <- src over the block's 32 rows x kWidth k (zero outside), lanes along the
+// contiguous extent.
+template <int kWidth>
+__device__ __forceinline__ void load_tile(float (&tile)[kTile][kWidth + 1], const float* src,
                                           int64_t rows, int64_t cols, int64_t ld_row,
                                           int64_t ld_col, int64_t r0, int64_t k0) {
   const int tx = threadIdx.x, ty = threadIdx.y;
   if (ld_col == 1 || ld_row != 1) {  // lanes along k
     for (int r = ty; r < kTile; r += kRowsPerPass) {
-      const int64_t row = r0 + r, k = k0 + tx;
-      tile[r][tx] = (row < rows && k < cols) ? src[row * ld_row + k * ld_col] : 0.f;
+#pragma unroll
+      for (int h = 0; h < kWidth; h += 32) {
+        const int64_t row = r0 + r, k = k0 + h + tx;
+        tile[r][h + tx] = (row < rows && k < cols) ? src[row * ld_row + k * ld_col] : 0.f;
+      }
     }
   } else {  // row-contiguous source (a transposed view): lanes along rows
-    for (int kk = ty; kk < kTile; kk += kRowsPerPass) {
+    for (int kk = ty; kk < kWidth; kk += kRowsPerPass) {
       const int64_t row = r0 + tx, k = k0 + kk;
       tile[tx][kk] = (row < rows && k < cols) ? src[row + k * ld_col] : 0.f;
     }
@@ -130,7 +136,7 @@ split_fp16_row_max_kernel(const float* __restrict__ src, int64_t rows, int64_t c
                int64_t ld_col, unsigned* __restrict__ row_max) {
   __shared__ float tile[kTile][kTile + 1];  // +1: no bank conflicts either way
   const int64_t r0 = int64_t(blockIdx.y) * kTile, k0 = int64_t(blockIdx.x) * kTile;
-  load_tile(tile, src, rows, cols, ld_row, ld_col, r0, k0);
+  load_tile<kTile>(tile, src, rows, cols, ld_row, ld_col, r0, k0);
   __syncthreads();
   if (threadIdx.y != 0 || r0 + threadIdx.x >= rows) return;
   float m = 0.f;
@@ -139,28 +145,57 @@ split_fp16_row_max_kernel(const float* __restrict__ src, int64_t rows, int64_t c
   if (m > 0.f) atomicMax(row_max + r0 + threadIdx.x, __float_as_uint(m));  // m >= 0: bits order
 }
 
+// The same maxima for a row-contiguous source (a transposed view: ld_row == 1), straight from
+// global memory: thread r of a block reads row r over a chunk of kMaxChunk k, the warp's reads of
+// one k coalesced, one atomic per row and chunk. (The tiled kernel above staged 4 values a thread
+// through shared memory and took as long as the split itself: 0.2 ms of problem 39's x^T.)
+constexpr int kMaxThreads = 256;
+constexpr int kMaxChunk = 64;
+
+__global__ void __launch_bounds__(kMaxThreads)
+split_fp16_column_max_kernel(const float* __restrict__ src, int64_t rows, int64_t cols,
+                             int64_t ld_col, unsigned* __restrict__ row_max) {
+  const int64_t row = int64_t(blockIdx.x) * kMaxThreads + threadIdx.x;
+  if (row >= rows) return;
+  const int64_t k0 = int64_t(blockIdx.y) * kMaxChunk, k1 = std::min(cols, k0 + kMaxChunk);
+  const float* p = src + row + k0 * ld_col;
+  float m = 0.f;
+#pragma unroll 8
+  for (int64_t k = k0; k < k1; ++k, p += ld_col) m = fmaxf(m, finite_abs(__ldg(p)));
+  if (m > 0.f) atomicMax(row_max + row, __float_as_uint(m));  // m >= 0: bits order
+}
+
+// The split of a tile of 32 rows x 64 k (two layout blocks): lane tx splits k = 2tx, 2tx + 1 and
+// stores each part as a half2, so a warp writes a row's 256 bytes whole (32 x 32 tiles of 2-byte
+// stores ran problem 39's x^T at half this rate).
+constexpr int kSplitTileK = 2 * kBlockK;
+
 __global__ void __launch_bounds__(kTile * kRowsPerPass)
 split_fp16_tiles_kernel(const float* __restrict__ src, int64_t rows, int64_t cols, int64_t ld_row,
-                   int64_t ld_col, const unsigned* __restrict__ row_max, __half* __restrict__ parts,
-                   int64_t ld, float* __restrict__ exponents, int* __restrict__ nonfinite_rows) {
-  __shared__ float tile[kTile][kTile + 1];
+                        int64_t ld_col, const unsigned* __restrict__ row_max,
+                        __half* __restrict__ parts, int64_t ld, float* __restrict__ exponents,
+                        int* __restrict__ nonfinite_rows) {
+  __shared__ float tile[kTile][kSplitTileK + 1];
   const int tx = threadIdx.x, ty = threadIdx.y;
-  const int64_t r0 = int64_t(blockIdx.y) * kTile, k0 = int64_t(blockIdx.x) * kTile;
-  load_tile(tile, src, rows, cols, ld_row, ld_col, r0, k0);
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, k0 = int64_t(blockIdx.x) * kSplitTileK;
+  load_tile<kSplitTileK>(tile, src, rows, cols, ld_row, ld_col, r0, k0);
   __syncthreads();
-  // Lane tx handles k = k0 + tx: the tile is one layout block of 32 k.
-  if (k0 + tx >= ld / 2) return;
+  const int kk = 2 * tx;
+  const int64_t k = k0 + kk;
+  if (k >= ld / 2) return;  // past the padded K (a multiple of 32: pairs never straddle it)
   for (int r = ty; r < kTile; r += kRowsPerPass) {
     const int64_t row = r0 + r;
     if (row >= rows) break;
     const int e = row_exponent(__uint_as_float(row_max[row]));
-    const float v = tile[r][tx];
-    __half hi, lo;
-    split_value(v, e, hi, lo);
-    if (!isfinite(v) && nonfinite_rows != nullptr) nonfinite_rows[row] = 1;  // every writer: 1
-    __half* out = parts + row * ld + (k0 / kBlockK) * kBlock;
-    out[tx] = hi;
-    out[kBlockK + tx] = lo;
+    const float v0 = tile[r][kk], v1 = tile[r][kk + 1];
+    __half hi0, lo0, hi1, lo1;
+    split_value(v0, e, hi0, lo0);
+    split_value(v1, e, hi1, lo1);
+    if (!(isfinite(v0) && isfinite(v1)) && nonfinite_rows != nullptr)
+      nonfinite_rows[row] = 1;  // every writer: 1
+    __half* out = parts + row * ld + (k / kBlockK) * kBlock + k % kBlockK;
+    *reinterpret_cast<__half2*>(out) = __halves2half2(hi0, hi1);
+    *reinterpret_cast<__half2*>(out + kBlockK) = __halves2half2(lo0, lo1);
     if (k0 == 0 && tx == 0) exponents[row] = float(e);
   }
 }
@@ -216,16 +251,32 @@ void split_fp16(const float* src, int64_t rows, int64_t cols, int64_t ld_row, in
   // is split in bands of rows, one launch each.
   constexpr int64_t kBandRows = int64_t(65535) * kTile;
   const unsigned k_tiles = unsigned(ld / 2 / kTile);
-  for (int pass = 0; pass < 2; ++pass) {
+  const bool rows_contiguous = ld_row == 1 && ld_col != 1;
+  if (rows_contiguous) {
+    const int64_t chunks = (cols + kMaxChunk - 1) / kMaxChunk;
+    for (int64_t r = 0; r < rows; r += kBandRows) {  // chunks on grid.y: at most 65535 a launch
+      for (int64_t c = 0; c < chunks; c += 65535) {
+        const int64_t band = std::min(kBandRows, rows - r), n = std::min<int64_t>(65535, chunks - c);
+        const dim3 grid(unsigned((band + kMaxThreads - 1) / kMaxThreads), unsigned(n));
+        split_fp16_column_max_kernel<<<grid, kMaxThreads, 0, stream>>>(
+            src + r + c * kMaxChunk * ld_col, band, std::min(cols - c * kMaxChunk, n * kMaxChunk),
+            ld_col, row_max + r);
+        check_launch("split_fp16 (column maxima)");
+      }
+    }
+  }
+  for (int pass = rows_contiguous ? 1 : 0; pass < 2; ++pass) {
     for (int64_t r = 0; r < rows; r += kBandRows) {
       const int64_t band = std::min(kBandRows, rows - r);
-      const dim3 grid(k_tiles, unsigned((band + kTile - 1) / kTile)), block(kTile, kRowsPerPass);
+      const unsigned row_tiles = unsigned((band + kTile - 1) / kTile);
+      const dim3 block(kTile, kRowsPerPass);
       if (pass == 0) {
-        split_fp16_row_max_kernel<<<grid, block, 0, stream>>>(src + r * ld_row, band, cols, ld_row, ld_col,
-                                                   row_max + r);
+        split_fp16_row_max_kernel<<<dim3(k_tiles, row_tiles), block, 0, stream>>>(
+            src + r * ld_row, band, cols, ld_row, ld_col, row_max + r);
         check_launch("split_fp16 (row maxima)");
       } else {
-        split_fp16_tiles_kernel<<<grid, block, 0, stream>>>(
+        const unsigned split_tiles = unsigned((ld / 2 + kSplitTileK - 1) / kSplitTileK);
+        split_fp16_tiles_kernel<<<dim3(split_tiles, row_tiles), block, 0, stream>>>(
             src + r * ld_row, band, cols, ld_row, ld_col, row_max + r, parts + r * ld, ld,
             exponents + r, nonfinite_rows != nullptr ? nonfinite_rows + r : nullptr);
         check_launch("split_fp16 (tiles)");

@@ -147,8 +147,8 @@ split_fp16_row_max_kernel(const float* __restrict__ src, int64_t rows, int64_t c
 
 // The same maxima for a row-contiguous source (a transposed view: ld_row == 1), straight from
 // global memory: thread r of a block reads row r over a chunk of kMaxChunk k, the warp's reads of
-// one k coalesced, one atomic per row and chunk. (The tiled kernel above staged 4 values a thread
-// through shared memory and took as long as the split itself: 0.2 ms of problem 39's x^T.)
+// one k coalesced, one atomic per row and chunk. (The tiled kernel above, 4 values a thread through
+// shared memory, made problem 39's x^T split 0.474 ms in all; with this one 0.395.)
 constexpr int kMaxThreads = 256;
 constexpr int kMaxChunk = 64;
 
@@ -167,7 +167,7 @@ split_fp16_column_max_kernel(const float* __restrict__ src, int64_t rows, int64_
 
 // The split of a tile of 32 rows x 64 k (two layout blocks): lane tx splits k = 2tx, 2tx + 1 and
 // stores each part as a half2, so a warp writes a row's 256 bytes whole (32 x 32 tiles of 2-byte
-// stores ran problem 39's x^T at half this rate).
+// stores: problem 39's x^T split 0.395 ms in all; these 0.327, against 0.132 for its row-major x).
 constexpr int kSplitTileK = 2 * kBlockK;
 
 __global__ void __launch_bounds__(kTile * kRowsPerPass)

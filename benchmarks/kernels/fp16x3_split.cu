@@ -1,19 +1,25 @@
 // fp32 GEMMs at fp32 accuracy on the FP16 tensor cores: can 3 FP16 products replace 3 TF32 ones?
 //
-// The default-precision GEMM (3xTF32, sm90_mainloop_3x.hpp) splits each fp32 operand value
-// v = hi + lo into two TF32 parts (11 significant bits each) and runs three TF32 wgmma products.
-// FP16 also keeps 11 significant bits, and Hopper's FP16 wgmma runs at twice the TF32 rate, but
-// FP16's exponent range is 2^-24..2^15 against fp32's. Scaled by a power of two per operand row
-// (the K extent of a GEMM operand: a row of x, a row of the weight), so that the row's largest
-// |v| lands in [2^14, 2^15), hi = fp16(v * 2^-e) and lo = fp16(v * 2^-e - hi) carry the same 22
-// bits as the TF32 pair for every value down to 2^-18 of its row's largest (lo stays normal), and
-// the product is scaled back exactly in the epilogue: D[m, n] = acc[m, n] * 2^(eA[m] + eB[n]).
-// The mainloop is the 3xTF32 one (promoted accumulation) with FP16 k-blocks: a 128-byte K-tile
-// is 32 hi and their 32 lo halves.
+// The default-precision GEMM split each fp32 operand value v = hi + lo into two TF32 parts (11
+// significant bits each) and ran three TF32 wgmma products (sm90_mainloop_3x.hpp). FP16 also keeps
+// 11 significant bits, and Hopper's FP16 wgmma runs at twice the TF32 rate, but FP16's exponent
+// range is 2^-24..2^15 against fp32's. Scaled by a power of two per operand row (the K extent of a
+// GEMM operand: a row of x, a row of the weight), so that the row's largest |v| lands in
+// [2^14, 2^15), hi = fp16(v * 2^-e) and lo = fp16(v * 2^-e - hi) carry the same 22 bits as the
+// TF32 pair for every value down to 2^-18 of its row's largest (lo stays normal), and the product
+// is scaled back exactly in the epilogue: D[m, n] = acc[m, n] * 2^(eA[m] + eB[n]). The mainloop is
+// the same (promoted accumulation) with FP16 k-blocks: a 128-byte K-tile is 32 hi and their 32 lo
+// halves.
 //
-// Measured here: time of the split and of the GEMM against the 3xTF32 ones at problem 39's and
-// problem 84's shapes, and the error against float64 (cuBLAS DGEMM) beside cuBLAS SGEMM's, for
-// x ~ U[0, 1), x + 100, and a K sweep.
+// Measured here, on the library's split (split_fp16.cu, both paths: a row-major x through its row
+// path, a column-major one through its tiled path, whose product must match bit for bit) and
+// epilogue tree (ScaledAccFetch), against the TF32 split it replaced (kept below as the baseline):
+// time of the splits and of the GEMM at problem 39's and problem 84's shapes, and the error
+// against float64 (cuBLAS DGEMM) beside cuBLAS SGEMM's, for x ~ U[0, 1), x + 100, and a K sweep.
+//
+// Result on an H200 (BENCHMARKS.md, "Round of 2026-11-26, fifth session"): the FP16 GEMM 1.7x
+// faster (problem 39: 2.35 against 4.05 ms; problem 84: 0.557 against 0.973 ms), its error 0.6-0.8x
+// the TF32 parts' (0.17-0.60x SGEMM's), the split of x 0.6x as long. The library now runs it.
 //
 //   CL=<site-packages>/cutlass_library/source NV=<site-packages>/nvidia/cu13
 //   /usr/local/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -DNDEBUG \

@@ -12,8 +12,8 @@
 //   sm_80 and later otherwise (A100, Ada, or Hopper when EPIFUSE_FORCE_SM80=1), same alignment:
 //                    one CUTLASS 2.x GEMM (cp.async + mma.sync) with the
 //                    epilogue fused (sm80_epilogues.hpp); its stream-K schedule sizes itself.
-//   IEEE fp32, and 3xTF32 with few rows (the GEMM is bound by reading the weight, and the split
-//   would double the bytes read): cuBLAS's SGEMM, run by the op layer (GemmPlan::host_sgemm), then
+//   IEEE fp32, and the 3x mode with few rows (the GEMM is bound by reading the weight, and the split
+//   would read it once more): cuBLAS's SGEMM, run by the op layer (GemmPlan::host_sgemm), then
 //                    the epilogue as a separate pass.
 //   Anything else (ragged alignment, or IEEE without the op layer): the portable SIMT GEMM writing
 //                    z, then the epilogue as a separate pass (column_stats.cu / column_affine.cu).
@@ -98,11 +98,11 @@ bool force_sm80() {
   return forced;
 }
 
-// Where 3xTF32 gives way to cuBLAS's SGEMM (both fp32-accurate); the measurements behind the
+// Where the 3x GEMM (MathMode::k3xTF32) gives way to cuBLAS's SGEMM (both fp32-accurate); the measurements behind the
 // three thresholds are in BENCHMARKS.md, "Kernel selection":
-//  - below kSplitMinRows rows the GEMM is bound by reading the weight, which the split doubles
-//    (hi and lo parts); SGEMM reads it once.
-//  - at small K, 3xTF32's error is not clearly below SGEMM's (it drops lo*lo, ~2^-22 per product,
+//  - below kSplitMinRows rows the GEMM is bound by reading the weight, which the split makes a
+//    second pass over; SGEMM reads it once.
+//  - at small K, the 3x GEMM's error is not clearly below SGEMM's (it drops lo*lo, ~2^-22 per product,
 //    while SGEMM's own error grows with K); kSplitMinK keeps a margin.
 //  - below kSplitMinMacs multiply-adds the split, the row flags and the repair pass (three more
 //    launches) cost more host time than SGEMM's whole run.

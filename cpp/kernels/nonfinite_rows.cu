@@ -1,11 +1,11 @@
-// Exact IEEE results for the rows of x that hold a NaN or an Inf, after a 3xTF32 GEMM.
+// Exact IEEE results for the rows of x that hold a NaN or an Inf, after a split (3x) GEMM.
 //
-// 3xTF32 splits every fp32 operand into big + small TF32 parts (small = v - big) and sums three
-// products: for v = +-Inf the small part is Inf - Inf = NaN, and a cross term Inf * 0 (an operand
-// whose small part is exactly 0) is NaN too, so a row of x holding +-Inf comes out NaN where IEEE
-// math gives +-Inf. No choice of split avoids it inside the tensor cores; instead this pass finds
+// The 3x GEMM splits every fp32 operand into big + small parts (Hopper: row-scaled FP16, sm80:
+// TF32; small = v - big) and sums three products: a cross term Inf * 0 (+-Inf's big part times a
+// weight value whose small part is exactly 0) is NaN, so a row of x holding +-Inf comes out NaN
+// where IEEE math gives +-Inf. No choice of split avoids it inside the tensor cores; instead this pass finds
 // such rows and recomputes them with FFMA, then re-applies the affine epilogue. A finite batch costs
-// one read of x (a few percent of the 3xTF32 GEMM's time). The column statistics of a column that
+// one read of x (a few percent of the 3x GEMM's time). The column statistics of a column that
 // meets such a row are not repaired: they are non-finite either way, and so is everything the fold
 // derives from them, as in PyTorch.
 #include <algorithm>

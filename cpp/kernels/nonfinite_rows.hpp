@@ -1,4 +1,4 @@
-// The 3xTF32 GEMM's repair pass for rows of x that hold a NaN or an Inf; see nonfinite_rows.cu.
+// The 3x GEMM's repair pass for rows of x that hold a NaN or an Inf; see nonfinite_rows.cu.
 #pragma once
 
 #include "epifuse/kernels.h"

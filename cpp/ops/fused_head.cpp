@@ -118,7 +118,7 @@ Tensor gemm_operand(const Tensor& t, const HeadConfig& cfg) {
 }
 
 // The weight as the GEMMs read it: under autocast its 16-bit cast, kept while the weight is
-// unchanged (an eval model casts it once, as the 3xTF32 split is kept).
+// unchanged (an eval model casts it once, as the 3x split is kept).
 Tensor gemm_weight(const Tensor& w, const HeadConfig& cfg) {
   if (!cfg.gemm_dtype || w.scalar_type() == *cfg.gemm_dtype) return w;
   return kept_weight_cast(w, *cfg.gemm_dtype);

@@ -16,7 +16,7 @@
 namespace epifuse {
 namespace {
 
-// What is kept of a weight: its 3xTF32 split, or its cast to a dtype (kCast + the dtype).
+// What is kept of a weight: its 3x split (split_fp16), or its cast to a dtype (kCast + the dtype).
 constexpr int kSplit = -1;
 
 struct Entry {

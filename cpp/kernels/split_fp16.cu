@@ -3,8 +3,8 @@
 // fp32's exponent range, so each operand row (its K extent) is scaled by a power of two that puts
 // its largest |v| in [2^14, 2^15): hi = fp16(v * 2^-e) and lo = fp16(v * 2^-e - hi) then hold
 // v's leading 22 bits for every value down to 2^-18 of its row's largest (below that lo is
-// subnormal and keeps fewer, down to nothing at 2^-40: a value that small adds at most 2^-40 of the
-// row's largest to a product, far below SGEMM's rounding of it). The GEMM's epilogue multiplies
+// subnormal and keeps fewer, down to nothing at 2^-40: such a value is off by at most 2^-40 of the
+// row's largest, 2^-16 of the 2^-24 that SGEMM's rounding costs a sum holding the largest's product). The GEMM's epilogue multiplies
 // the product back by 2^(e_x[m] + e_w[n]), exactly. Against the TF32 split it replaced (same
 // mainloop, TF32 k-blocks): the GEMM 1.7x faster at problem 39's and 84's shapes, the error 0.6-0.8x
 // its (0.15-0.6x SGEMM's), the split half its bytes (benchmarks/kernels/fp16x3_split.cu).

@@ -23,8 +23,9 @@ import torch
 class HeadConfig(NamedTuple):
     """A head's settings. The defaults are the schemas' (PyTorch's BatchNorm1d defaults)."""
 
-    # The GEMMs' math for float32 inputs: 'ieee' (SGEMM), '3xtf32' (split TF32, fp32 accuracy,
-    # what PyTorch's 'highest' maps to) or 'tf32'; 16-bit inputs ignore it ('' or any of these).
+    # The GEMMs' math for float32 inputs: 'ieee' (SGEMM), '3xtf32' (three products of split
+    # operands, fp32 accuracy: FP16 parts on Hopper, TF32 on sm80; what PyTorch's 'highest' maps
+    # to) or 'tf32'; 16-bit inputs ignore it ('' or any of these).
     # The backward's dX / dW run in the same mode. epifuse.precision resolves user spellings.
     precision: str = "3xtf32"
     # BatchNorm normalizes with the batch's statistics (True) or the running ones (False).

@@ -29,9 +29,9 @@ using OptDType = std::optional<at::ScalarType>;
 // X(name, member type, kernel argument type, schema type, schema default)
 // clang-format off
 #define EPIFUSE_HEAD_CONFIG(X)                                                                     \
-  /* The GEMMs' math for float32 inputs: 'ieee' (SGEMM), '3xtf32' (split TF32, fp32 accuracy,    \
-     PyTorch's 'highest') or 'tf32' (one TF32 pass); 16-bit inputs ignore it (pass '' or any of  \
-     these). The backward's dX / dW run in the same mode. */                                       \
+  /* The GEMMs' math for float32 inputs: 'ieee' (SGEMM), '3xtf32' (split operands, fp32         \
+     accuracy, PyTorch's 'highest') or 'tf32' (one TF32 pass); 16-bit inputs ignore it (pass ''  \
+     or any of these). The backward's dX / dW run in the same mode. */                           \
   X(precision,       std::string,           c10::string_view,      "str",    "'3xtf32'")           \
   /* BatchNorm normalizes with the batch's statistics (True) or the running ones (False). */      \
   X(training,        bool,                  bool,                  "bool",   "True")               \

@@ -68,8 +68,13 @@ class HeadConfig(NamedTuple):
     for_backward: bool = True
 
     def kwargs(self) -> dict[str, Any]:
-        """Every setting by name: the keyword arguments of fused_head / fused_head_backward."""
-        return self._asdict()
+        """The settings that differ from the schemas' defaults, by name: the keyword arguments of
+        fused_head / fused_head_backward, which fill in the rest. Leaving the defaults out halves
+        the op call's host time: the call from Python converts every keyword it is given
+        (measured on an H200, a projection head's fused_head under bf16 autocast: 162 us with all
+        14 settings, 82 us with the 2 that differ; three such heads a step)."""
+        return {name: value for name, value, default in zip(self._fields, self, DEFAULT)
+                if value != default}
 
 
 DEFAULT = HeadConfig()

@@ -426,8 +426,7 @@ GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops
       // x's split in chunks of its rows (affine epilogue only), w's in chunks of its rows unless
       // the caller gives w's split; one GEMM per pair of chunks (kernel_and_workspace plans the
       // full chunk; the GEMM workspace covers the narrower last chunks on the same kernel too).
-      // A split row: its FP16 parts, its exponent and the strided path's row maximum.
-      const int64_t split_row_bytes = int64_t(sizeof(uint16_t)) * split_fp16_ld(p.K) + 8;
+      const int64_t split_row_bytes = int64_t(split_fp16_row_bytes(p.K));
       plan.x_chunk = e == Epilogue::kAffine
                          ? copy_chunk_rows(p.M, size_t(split_row_bytes), kXCopyChunkBytes)
                          : p.M;

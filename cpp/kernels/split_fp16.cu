@@ -217,6 +217,10 @@ size_t split_fp16_bytes(int64_t rows, int64_t cols) {
          2 * align256(sizeof(float) * size_t(rows));
 }
 
+size_t split_fp16_row_bytes(int64_t cols) {
+  return sizeof(__half) * size_t(split_fp16_ld(cols)) + sizeof(float) + sizeof(unsigned);
+}
+
 const float* split_fp16_exponents(const void* split, int64_t rows, int64_t cols) {
   return reinterpret_cast<const float*>(
       static_cast<const char*>(split) +

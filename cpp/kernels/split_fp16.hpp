@@ -16,6 +16,9 @@ int64_t split_fp16_ld(int64_t cols);
 // for the strided path's row maxima, each part starting on a 256-byte boundary.
 size_t split_fp16_bytes(int64_t rows, int64_t cols);
 
+// What one row adds to split_fp16_bytes (its parts, its exponent, its maximum), for sizing chunks.
+size_t split_fp16_row_bytes(int64_t cols);
+
 // Where a split's parts and exponents are (split: split_fp16_bytes(rows, cols) bytes).
 inline const void* split_fp16_parts(const void* split) { return split; }
 const float* split_fp16_exponents(const void* split, int64_t rows, int64_t cols);

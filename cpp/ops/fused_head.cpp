@@ -287,9 +287,9 @@ Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const O
   TORCH_CHECK(!needs[1] || x.has_value(), "epifuse::fused_head_backward: dW needs x");
   const HeadGradZ r = head_backward_to_dz(grad, bias, gamma, beta, scale, z, out, colsum,
                                           colsumsq, moments, needs, cfg);
-  Tensor grad_x = at::empty({0}, grad.options()), grad_w = at::empty({0}, grad.options());
-  if (needs[0]) grad_x = backward_dx(r.dz, *weight, cfg);
-  if (needs[1]) grad_w = backward_dw(r.dz, *x, gamma.scalar_type(), cfg);
+  const auto none = [&] { return at::empty({0}, grad.options()); };
+  const Tensor grad_x = needs[0] ? backward_dx(r.dz, *weight, cfg) : none();
+  const Tensor grad_w = needs[1] ? backward_dw(r.dz, *x, gamma.scalar_type(), cfg) : none();
   return {grad_x, grad_w, r.bias, r.gamma, r.beta, r.scale};
 }
 

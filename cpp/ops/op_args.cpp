@@ -109,8 +109,8 @@ FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor
 
 std::tuple<at::Tensor, at::Tensor> fold_outputs(const at::Tensor& gamma, FoldProblem& f) {
   auto options = gamma.options().dtype(at::kFloat);
-  at::Tensor a = at::empty({f.N}, options);
-  at::Tensor c = at::empty({f.N}, options);
+  at::Tensor a = new_cuda({f.N}, options);
+  at::Tensor c = new_cuda({f.N}, options);
   f.a = a.data_ptr<float>();
   f.c = c.data_ptr<float>();
   return {a, c};

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -59,6 +60,16 @@ std::pair<int, int> compute_capability(int device);
 c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* name);
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// An op's output or scratch on the CUDA device of `options`, uninitialized (the kernels write all
+// of it, and zero what they accumulate into): taken from the caching allocator directly rather
+// than through at::empty, whose dispatch (BackendSelect, then the CUDA kernel) is host time on
+// every call, and the ops allocate ~60 tensors in a training step of a three-head model. (Unlike
+// at::empty it does not fill with NaN under torch.use_deterministic_algorithms: no byte of these
+// is read before a kernel writes it.)
+inline at::Tensor new_cuda(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::detail::empty_cuda(sizes, options);
+}
 
 // A parameter vector of a fold (argument `name` of `op`): on like's device and in its dtype
 // (like_name names it in the message), contiguous, [N] or, for a scale, 1 or N elements.

@@ -142,7 +142,7 @@ PreparedGemm prepare_gemm(const at::Tensor& x_in, const at::Tensor& w_in, const 
   g.device = x_in.get_device();
   std::tie(g.cc_major, g.cc_minor) = compute_capability(g.device);
   const int64_t M = x_in.size(0), K = x_in.size(1), N = w_in.size(0);
-  g.out = at::empty({M, N}, x_in.options().memory_format(at::MemoryFormat::Contiguous));
+  g.out = new_cuda({M, N}, x_in.options().memory_format(at::MemoryFormat::Contiguous));
   GemmProblem& p = g.problem;
   p.M = M;
   p.N = N;
@@ -201,7 +201,7 @@ void run_gemm(PreparedGemm& g, const GemmPlan& plan, const EpilogueOperands& ops
   }
   const size_t bytes = gemm_workspace_bytes(plan, g.problem);
   at::Tensor workspace;
-  if (bytes > 0) workspace = at::empty({int64_t(bytes)}, g.x.options().dtype(at::kByte));
+  if (bytes > 0) workspace = new_cuda({int64_t(bytes)}, g.x.options().dtype(at::kByte));
   gemm_run(plan, g.problem, ops, bytes > 0 ? workspace.data_ptr() : nullptr, current_stream());
 }
 
@@ -252,8 +252,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gemm_colstats_cuda(const at::Tens
   PreparedGemm g = prepare_gemm(x, weight, std::string(precision), Epilogue::kColumnStats,
                                 WeightSplit::kMayKeep, op);
   auto stats_options = g.x.options().dtype(at::kDouble);
-  at::Tensor colsum = at::empty({g.problem.N}, stats_options);
-  at::Tensor colsumsq = at::empty({g.problem.N}, stats_options);
+  at::Tensor colsum = new_cuda({g.problem.N}, stats_options);
+  at::Tensor colsumsq = new_cuda({g.problem.N}, stats_options);
   EpilogueOperands ops;
   ops.colsum = colsum.data_ptr<double>();
   ops.colsumsq = colsumsq.data_ptr<double>();
@@ -351,7 +351,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bn_fold_batch_cuda(
   check_sums(colsum, "colsum", f.N, gamma, op);
   check_sums(colsumsq, "colsumsq", f.N, gamma, op);
   auto [a, c] = fold_outputs(gamma, f);
-  at::Tensor moments = at::empty({2 * f.N + 1}, gamma.options().dtype(at::kDouble));
+  at::Tensor moments = new_cuda({2 * f.N + 1}, gamma.options().dtype(at::kDouble));
   bn_fold_batch(f, colsum.data_ptr<double>(), colsumsq.data_ptr<double>(), count,
                 moments.data_ptr<double>(), current_stream());
   return {a, c, moments};
@@ -428,7 +428,7 @@ at::Tensor affine_softmax_cuda(const at::Tensor& z, const std::optional<at::Tens
   const AffinePair ac = optional_affine(z, a, c, op);
   const at::ScalarType dtype = pass_out_dtype(z, out_dtype, op);
   const at::Tensor src = rows_with_unit_stride(z);
-  at::Tensor out = at::empty(z.sizes(), z.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = new_cuda(z.sizes(), z.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
   softmax_into(src, out, ac, act);
   return out;
 }
@@ -490,7 +490,7 @@ at::Tensor affine_cuda(const at::Tensor& z, const at::Tensor& a, const at::Tenso
   const at::Tensor c32 = column_vector(c, z.size(1), op, "c", z);
   const at::ScalarType dtype = pass_out_dtype(z, out_dtype, op);
   const at::Tensor src = rows_with_unit_stride(z);
-  at::Tensor out = at::empty(z.sizes(), z.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = new_cuda(z.sizes(), z.options().dtype(dtype).memory_format(at::MemoryFormat::Contiguous));
   column_affine_into(to_dtype(z, op), src.size(0), src.size(1), src.data_ptr(), src.stride(0),
                      to_dtype(out, op), out.data_ptr(), std::max<int64_t>(out.size(1), 1),
                      a32.data_ptr<float>(), c32.data_ptr<float>(), act, current_stream());
@@ -573,7 +573,7 @@ at::Tensor softmax_grad_rowdot_cuda(const at::Tensor& grad, const at::Tensor& ou
   EPIFUSE_CHECK(grad.scalar_type() == out.scalar_type(), "epifuse::", op,
                 ": expected grad to have dtype ", out.scalar_type(), " like out, got ",
                 grad.scalar_type());
-  at::Tensor rowdot = at::empty({out.size(0)}, out.options().dtype(at::kFloat));
+  at::Tensor rowdot = new_cuda({out.size(0)}, out.options().dtype(at::kFloat));
   // prepare_grad takes (out, rowdot) together; rowdot is this op's output, so out stands as z.
   PreparedGrad p = prepare_grad(grad, std::nullopt, std::nullopt, out, op);
   p.o.out = p.o.z;
@@ -593,10 +593,10 @@ at::Tensor head_grad_sums_cuda(const at::Tensor& grad, const std::optional<at::T
   PreparedGrad p = prepare_grad(grad, out, rowdot, z, op);
   prepare_activation(p, z, a, c, activation, negative_slope, op);
   if (p.o.N == 0) return at::full({1}, double(p.o.M), z.options().dtype(at::kDouble));
-  at::Tensor sums = at::empty({2 * p.o.N + 1}, z.options().dtype(at::kDouble));
+  at::Tensor sums = new_cuda({2 * p.o.N + 1}, z.options().dtype(at::kDouble));
   const size_t scratch_bytes = head_grad_sums_scratch_bytes(p.o);
   at::Tensor scratch;
-  if (scratch_bytes > 0) scratch = at::empty({int64_t(scratch_bytes)}, z.options().dtype(at::kByte));
+  if (scratch_bytes > 0) scratch = new_cuda({int64_t(scratch_bytes)}, z.options().dtype(at::kByte));
   head_grad_sums(p.o, sums.data_ptr<double>(), scratch_bytes > 0 ? scratch.data_ptr() : nullptr,
                  current_stream());
   return sums;
@@ -604,9 +604,8 @@ at::Tensor head_grad_sums_cuda(const at::Tensor& grad, const std::optional<at::T
 
 // A parameter's gradient: its dtype and shape; an absent parameter gets an empty float32 tensor.
 at::Tensor param_grad(const std::optional<at::Tensor>& param, const at::Tensor& gamma) {
-  // at::empty rather than at::empty_like: one dispatcher call fewer per gradient (host time).
-  return param ? at::empty(param->sizes(), param->options())
-               : at::empty({0}, gamma.options().dtype(at::kFloat));
+  return param ? new_cuda(param->sizes(), param->options())
+               : new_cuda({0}, gamma.options().dtype(at::kFloat));
 }
 
 void* data_or_null(const std::optional<at::Tensor>& param, const at::Tensor& grad) {
@@ -641,11 +640,11 @@ head_grad_coefficients_cuda(const at::Tensor& sums, const std::optional<at::Tens
   p.sums = sums.data_ptr<double>();
   p.global_sums = global_sums ? global_sums->data_ptr<double>() : nullptr;
   p.moments = moments.data_ptr<double>();
-  at::Tensor coef = at::empty({3, N}, gamma.options().dtype(at::kFloat));
+  at::Tensor coef = new_cuda({3, N}, gamma.options().dtype(at::kFloat));
   at::Tensor g_bias = param_grad(bias, gamma), g_pre = param_grad(pre_scale, gamma);
   at::Tensor g_post = param_grad(post_scale, gamma);
-  at::Tensor g_gamma = at::empty(gamma.sizes(), gamma.options());
-  at::Tensor g_beta = at::empty(beta.sizes(), beta.options());
+  at::Tensor g_gamma = new_cuda(gamma.sizes(), gamma.options());
+  at::Tensor g_beta = new_cuda(beta.sizes(), beta.options());
   p.coef = coef.data_ptr<float>();
   p.grad_bias = data_or_null(bias, g_bias);
   p.grad_gamma = g_gamma.data_ptr();
@@ -654,7 +653,7 @@ head_grad_coefficients_cuda(const at::Tensor& sums, const std::optional<at::Tens
   p.grad_post = data_or_null(post_scale, g_post);
   const size_t scratch_bytes = head_grad_coefficients_scratch_bytes(p.params);
   at::Tensor scratch;
-  if (scratch_bytes > 0) scratch = at::empty({int64_t(scratch_bytes)}, gamma.options().dtype(at::kByte));
+  if (scratch_bytes > 0) scratch = new_cuda({int64_t(scratch_bytes)}, gamma.options().dtype(at::kByte));
   head_grad_coefficients(p, scratch_bytes > 0 ? scratch.data_ptr() : nullptr, current_stream());
   return {coef, g_bias, g_gamma, g_beta, g_pre, g_post};
 }
@@ -675,7 +674,7 @@ at::Tensor head_grad_z_cuda(const at::Tensor& grad, const std::optional<at::Tens
                 "epifuse::", op, ": expected coef to be a float32 [3, ", p.o.N, "] tensor, got ",
                 coef.scalar_type(), " ", coef.sizes());
   const at::Tensor coef_c = coef.contiguous();
-  at::Tensor dz = at::empty(z.sizes(), z.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dz = new_cuda(z.sizes(), z.options().memory_format(at::MemoryFormat::Contiguous));
   head_grad_z(p.o, coef_c.data_ptr<float>(), dz.data_ptr(), std::max<int64_t>(p.o.N, 1),
               current_stream());
   return dz;
@@ -687,7 +686,7 @@ at::Tensor head_grad_z_cuda(const at::Tensor& grad, const std::optional<at::Tens
 at::Tensor k_major_copy(const at::Tensor& v) {
   const bool column_major = v.stride(0) == 1 && v.stride(1) >= v.size(0);
   if (!column_major || v.size(0) == 0 || v.size(1) == 0) return v.contiguous();
-  at::Tensor out = at::empty(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = new_cuda(v.sizes(), v.options().memory_format(at::MemoryFormat::Contiguous));
   transpose(v.data_ptr(), v.stride(1), out.data_ptr(), v.size(1), v.size(0), v.size(1),
             to_dtype(v, "backward_matmul"), current_stream());
   return out;
@@ -719,14 +718,14 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
     const bool fp16 = a.scalar_type() == at::kHalf;
     const bool b_row_major = b.stride(1) == 1 || b.size(1) == 1;
     if (fp16 && b_row_major && a.size(0) > 0 && b.size(1) > 0 && a.size(1) > 0) {
-      at::Tensor product = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
+      at::Tensor product = new_cuda({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
       const Fp16Product p{a.size(0), b.size(1), a.size(1), a.data_ptr(), a.stride(0), a.stride(1),
                           b.data_ptr(), b.stride(0), product.data_ptr<float>(), product.stride(0)};
       const auto [major, minor] = compute_capability(a.get_device());
       const Fp16ProductPlan plan = plan_fp16_product(p, a.get_device(), major, minor);
       if (plan.hopper) {  // the overflow applied in the GEMM's own epilogue
         const at::Tensor workspace =
-            at::empty({int64_t(plan.workspace_bytes)}, a.options().dtype(at::kByte));
+            new_cuda({int64_t(plan.workspace_bytes)}, a.options().dtype(at::kByte));
         run_fp16_product(plan, p, plan.workspace_bytes ? workspace.data_ptr() : nullptr,
                          current_stream());
         return product;

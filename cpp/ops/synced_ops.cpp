@@ -58,7 +58,7 @@ Tensor pack_moments_cuda(const Tensor& colsum, const Tensor& colsumsq, int64_t c
   check_sums(colsumsq, "colsumsq", colsum.size(0), colsum, op);
   EPIFUSE_CHECK_VALUE(count >= 1, "epifuse::", op, ": count must be >= 1, got ", count);
   const FoldProblem f = prepare_input_params(bias, pre_scale, colsum, op);
-  Tensor row = at::empty({2 * f.N + 1}, colsum.options());
+  Tensor row = new_cuda({2 * f.N + 1}, colsum.options());
   pack_moments(f, colsum.data_ptr<double>(), colsumsq.data_ptr<double>(), count,
                row.data_ptr<double>(), current_stream());
   return row;
@@ -83,7 +83,7 @@ std::tuple<Tensor, Tensor, Tensor> merge_fold_cuda(const Tensor& rows, const Opt
   FoldProblem f = prepare_fold(bias, gamma, beta, pre_scale, post_scale, eps, op);
   check_rows(rows, f.N, gamma, op);
   auto [a, c] = fold_outputs(gamma, f);
-  Tensor moments = at::empty({2 * f.N + 1}, gamma.options().dtype(at::kDouble));
+  Tensor moments = new_cuda({2 * f.N + 1}, gamma.options().dtype(at::kDouble));
   merge_fold(f, rows.data_ptr<double>(), rows.size(0), moments.data_ptr<double>(),
              current_stream());
   return {a, c, moments};
@@ -98,7 +98,7 @@ Tensor normalized_grad_sums_cuda(const Tensor& sums, const Tensor& moments, cons
   const FoldProblem f = prepare_fold(bias, gamma, gamma, pre_scale, post_scale, eps, op);
   check_sums(sums, "sums", 2 * f.N + 1, gamma, op);
   check_sums(moments, "moments", 2 * f.N + 1, gamma, op);
-  Tensor out = at::empty({2 * f.N + 1}, sums.options());
+  Tensor out = new_cuda({2 * f.N + 1}, sums.options());
   normalized_grad_sums(f, sums.data_ptr<double>(), moments.data_ptr<double>(),
                        out.data_ptr<double>(), current_stream());
   return out;

@@ -1,6 +1,8 @@
 // See weight_split_cache.h.
 #include "weight_split_cache.h"
 
+#include "op_args.h"
+
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 // c10's stream header, not ATen/cuda/CUDAContext.h: that one includes cusparse.h and cublas,
@@ -105,7 +107,7 @@ at::Tensor kept(const at::Tensor& w, int kind, cudaStream_t stream,
 
 at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaStream_t stream) {
   return kept(w, kSplit, stream, [&] {
-    at::Tensor split = at::empty({int64_t(split_weight_bytes(p))}, w.options().dtype(at::kByte));
+    at::Tensor split = new_cuda({int64_t(split_weight_bytes(p))}, w.options().dtype(at::kByte));
     split_weight(p, split.data_ptr(), stream);
     return split;
   });

@@ -183,8 +183,11 @@ def update_running_stats(moments: Tensor, running_mean: Tensor, running_var: Ten
     """nn.BatchNorm's running-statistics update, in place, from a training fold's ``moments``
     (bn_fold_batch's, or a synchronized batch's merged ones: ``[mean(N), var(N), count]``, the
     count read where it lives, unchecked, as nn.SyncBatchNorm does)."""
-    _update_running_stats(moments, running_mean, running_var, num_batches_tracked,
-                          momentum=momentum)
+    if momentum == _D.momentum:  # a keyword given costs the call its conversion (host time)
+        _update_running_stats(moments, running_mean, running_var, num_batches_tracked)
+    else:
+        _update_running_stats(moments, running_mean, running_var, num_batches_tracked,
+                              momentum=momentum)
 
 
 # Backward of a head (see fold.py's backward section for the math).

@@ -27,7 +27,18 @@ class Slot(NamedTuple):
     name: str
 
     def get(self):
+        # From the owner's registries, as nn.Module.__getattr__ would find it but without that
+        # Python-level call (a head reads its slots on every forward); anything else there (a
+        # parametrization's property, a plain attribute) by getattr.
+        d = self.owner.__dict__
+        for registry in _REGISTRIES:
+            found = d[registry]
+            if self.name in found:
+                return found[self.name]
         return getattr(self.owner, self.name)
+
+
+_REGISTRIES = ("_modules", "_parameters", "_buffers")
 
 
 def slot_of(root: nn.Module, target: str) -> Slot:

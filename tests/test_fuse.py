@@ -517,3 +517,27 @@ def test_batchnorm_settings_the_ops_refuse_behave_as_eager(eps, momentum, fused_
         return
     assert rel_err(model(x), expected) < 1e-6 or (expected.isnan() == model(x).isnan()).all()
     assert rel_err(model[1].running_mean, original[1].running_mean) < 1e-6
+
+
+def test_a_scale_parametrized_after_fuse_is_read_through_its_property(fused_on_cpu):
+    """A chain reads its members from the registry they were in at fuse time; a scale that
+    torch.nn.utils.parametrize has since moved out of ``_parameters`` (a property now) is read
+    through the property, not missed or stale."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, t):
+            return 2 * t
+
+    original, model, report = fused_pair(Custom)
+    assert len(report.fused) == 2
+    for m in (original, model):
+        parametrize.register_parametrization(m, "gain", Doubled())
+        parametrize.register_parametrization(m, "temperature", Doubled())
+    x = torch.rand(16, IN)
+    first, second = model._epifuse_heads
+    assert "gain" not in model._parameters  # a property now
+    assert head.fast_path_reason(first, x) is None
+    assert head.fast_path_reason(second, torch.rand(16, second.gemm.in_features)) is None
+    assert torch.equal(model._epifuse_heads[0].scale, 2 * original.parametrizations.gain.original)
+    _same_as_eager(original, model, x)

@@ -15,27 +15,23 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ..head import (apply_activation, has_module_hooks, run_head, softmax_module_changed,
-                    stand_in)
+from ..head import (_member, apply_activation, has_module_hooks, run_head,
+                    softmax_module_changed, stand_in)
 from ..nn import DEFAULT_NEGATIVE_SLOPE, HeadModule, activation_of_module, head_body_reference
 
 
 class Slot(NamedTuple):
-    """An attribute of a module: ``getattr(owner, name)``."""
+    """An attribute of a module: ``getattr(owner, name)``, read from ``registry`` (the owner's
+    ``_modules``, ``_parameters`` or ``_buffers``, where the name was at fuse time) without
+    nn.Module.__getattr__: a head reads its slots on every forward. A name no longer there (a
+    parametrization's property, a parameter re-registered as a buffer) takes the normal lookup."""
 
     owner: nn.Module
     name: str
+    registry: str = "_modules"
 
     def get(self):
-        # From the owner's registries, as nn.Module.__getattr__ would find it but without that
-        # Python-level call (a head reads its slots on every forward); anything else there (a
-        # parametrization's property, a plain attribute) by getattr.
-        d = self.owner.__dict__
-        for registry in _REGISTRIES:
-            found = d[registry]
-            if self.name in found:
-                return found[self.name]
-        return getattr(self.owner, self.name)
+        return _member(self.owner, self.registry, self.name)
 
 
 _REGISTRIES = ("_modules", "_parameters", "_buffers")
@@ -44,7 +40,9 @@ _REGISTRIES = ("_modules", "_parameters", "_buffers")
 def slot_of(root: nn.Module, target: str) -> Slot:
     """The Slot of a dotted attribute path (an fx node target) under ``root``."""
     owner_path, _, name = target.rpartition(".")
-    return Slot(root.get_submodule(owner_path) if owner_path else root, name)
+    owner = root.get_submodule(owner_path) if owner_path else root
+    registry = next((r for r in _REGISTRIES if name in owner.__dict__[r]), "_modules")
+    return Slot(owner, name, registry)
 
 
 class FusedChain(HeadModule):

@@ -149,6 +149,9 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
                  activation="gelu"),
             case(x, w, None, gamma, beta, s1, *stats()[:2], precision=prec, training=False,
                  softmax=True, activation="leaky_relu", negative_slope=0.2),
+            # A head without a scale: its stand-in is not read (and gets no gradient computed)
+            case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=True,
+                 activation="relu", has_scale=False),
             # ... a direct call asking for a bf16 GEMM (what the autocast kernel passes on)
             case(x, w, bias, gamma, beta, sn, *stats()[:2], precision=prec, training=False,
                  for_backward=False, gemm_dtype=torch.bfloat16),
@@ -163,7 +166,7 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
                  activation="gelu", for_backward=False, out_dtype=torch.float32),
         ],
         # (grad, x, weight, bias, gamma, beta, scale, z, out, colsum, colsumsq, moments, needs,
-        #  *, HeadConfig's fields)
+        #  a=None, c=None, *, HeadConfig's fields)
         "fused_head_backward": [
             case(grad, x, w, bias, gamma, beta, s1, z, out, colsum, colsumsq, moments, [True] * 6,
                  precision=prec, training=True, scale_before_bn=False, softmax=True, eps=1e-5,
@@ -176,6 +179,15 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
                  softmax=True),
             case(grad, x, w, bias, gamma, beta, sn, z, None, colsum, colsumsq, moments,
                  [True] * 6, precision=prec, training=True, activation="silu"),
+            # ... with the forward's fold (a, c) for the activation's derivative
+            case(grad, x, w, bias, gamma, beta, sn, z, None, colsum, colsumsq, moments,
+                 [True] * 6, a, c, precision=prec, training=True, activation="gelu"),
+            # A head without a scale: no scale gradient (empty: not asked for; zeros: asked for)
+            case(grad, x, w, bias, gamma, beta, s1, z, None, colsum, colsumsq, moments,
+                 [True, True, True, True, True, False], precision=prec, training=True,
+                 has_scale=False),
+            case(grad, x, w, None, gamma, beta, s1, z, None, None, None, moments, [True] * 6, a, c,
+                 precision=prec, training=False, activation="relu", has_scale=False),
             case(grad, x, w, None, gamma, beta, s1, z, out, None, None, moments,
                  [True, True, False, True, True, True], precision=prec, training=False,
                  softmax=True, activation="relu"),

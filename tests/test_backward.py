@@ -211,7 +211,7 @@ def test_fused_head_ops_reject_bad_arguments():
         # weight's K (6) differs from x's (5)
         torch.ops.epifuse.fused_head(x, torch.rand(4, 6), bias, gamma, beta, scale, running_mean,
                                      running_var, **kwargs)
-    out, z, colsum, colsumsq, moments = torch.ops.epifuse.fused_head(*args, **kwargs)
+    out, z, colsum, colsumsq, moments, _, _ = torch.ops.epifuse.fused_head(*args, **kwargs)
     grad = torch.rand_like(out)
 
     def backward(x_saved, w_saved, out_saved, needs):
@@ -250,10 +250,11 @@ def test_eval_call_for_no_backward_runs_one_gemm_with_the_fold(softmax):
     results = {}
     names = _epifuse_ops_run(lambda: results.update(
         plain=torch.ops.epifuse.fused_head(*args, **{**kwargs, "for_backward": False})))
-    out, z, colsum, colsumsq, moments = results["plain"]
+    out, z, colsum, colsumsq, moments, a, c = results["plain"]
     assert "epifuse::gemm_affine" in names and "epifuse::gemm_colstats" not in names, names
     assert ("epifuse::affine_softmax_" in names) == softmax and "epifuse::affine" not in names
     assert z.numel() == colsum.numel() == colsumsq.numel() == moments.numel() == 0
+    assert a.numel() == c.numel() == 0
     assert rel_err(out, expected) <= 1e-6
     x = args[0].clone().requires_grad_()
     names = _epifuse_ops_run(lambda: results.update(
@@ -264,6 +265,63 @@ def test_eval_call_for_no_backward_runs_one_gemm_with_the_fold(softmax):
     assert rel_err(out, expected) <= 1e-6
     with pytest.raises(RuntimeError, match="for_backward=False, but an input requires grad"):
         torch.ops.epifuse.fused_head(x, *args[1:], **{**kwargs, "for_backward": False})
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_backward_reads_the_forwards_fold_for_the_activation(training):
+    """fused_head returns the fold it applied (out = act(a * z + c)); the autograd keeps it and
+    the backward reads it for the activation's derivative instead of folding again (no
+    bn_fold_eval in the backward). A direct backward call without it folds again from the
+    moments: the same gradients."""
+    args, kwargs = _fused_head_sample(training=training, softmax=False)
+    kwargs["activation"] = "gelu"
+    x, w, bias, gamma, beta, scale = args[:6]
+    out, z, colsum, colsumsq, moments, a, c = fused_head(*args, **kwargs)
+    expected_a, expected_c = ops.bn_fold_eval(bias, gamma, beta, None, scale, moments[:4],
+                                              moments[4:8])
+    torch.testing.assert_close(a, expected_a, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(c, expected_c, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out, F.gelu(a.double() * z.double() + c.double()).float())
+    grad = torch.rand_like(out)
+    names = _epifuse_ops_run(lambda: out.backward(grad))
+    assert "epifuse::fused_head_backward" in names and "epifuse::bn_fold_eval" not in names, names
+    needs = [True] * 6
+    detached = [t.detach() for t in (grad, x, w, bias, gamma, beta, scale, z)]
+    stats = [colsum, colsumsq] if training else [None, None]
+    given = torch.ops.epifuse.fused_head_backward(*detached, None, *stats, moments, needs, a, c,
+                                                  **kwargs)
+    folded = []
+    names = _epifuse_ops_run(lambda: folded.extend(torch.ops.epifuse.fused_head_backward(
+        *detached, None, *stats, moments, needs, **kwargs)))
+    assert "epifuse::bn_fold_eval" in names, names
+    autograd = (x.grad, w.grad, bias.grad, gamma.grad, beta.grad, scale.grad)
+    for mine, direct, again in zip(autograd, given, folded):
+        torch.testing.assert_close(mine, direct)
+        torch.testing.assert_close(direct, again, rtol=1e-6, atol=1e-7)
+
+
+def test_a_head_without_a_scale_does_not_read_its_stand_in():
+    """has_scale=False: the scale tensor is a stand-in nothing reads (no scale in the fold, no
+    scale gradient computed): a 2.0 there changes nothing, and its gradient, when asked for, is
+    zero; not asked for, the backward returns it empty (as the fake kernel says)."""
+    args, kwargs = _fused_head_sample(softmax=False)
+    args = list(args)
+    args[5] = torch.full((1,), 2.0, requires_grad=True)
+    kwargs["has_scale"] = False
+    out = fused_head(*args, **kwargs)[0]
+    unscaled = head.reference_head(*args[:5], torch.ones(1), *args[6:],
+                                   HeadConfig(**{**kwargs, "has_scale": True}))
+    torch.testing.assert_close(out, unscaled)
+    out.backward(torch.rand_like(out))
+    assert torch.equal(args[5].grad, torch.zeros(1))
+    assert args[0].grad is not None and args[3].grad is not None
+    torch.library.opcheck(torch.ops.epifuse.fused_head.default, tuple(args), kwargs)
+    detached = [t.detach() for t in args]
+    _, z, colsum, colsumsq, moments, _, _ = fused_head(*detached, **kwargs)
+    grads = torch.ops.epifuse.fused_head_backward(
+        torch.rand_like(z), *detached[:6], z, None, colsum, colsumsq, moments,
+        [True, True, True, True, True, False], **kwargs)
+    assert grads[5].numel() == 0 and grads[3].shape == args[3].shape
 
 
 def test_fused_head_does_not_mutate_running_stats():

@@ -24,7 +24,10 @@
 // An eval call for no backward (for_backward=False: no_grad, inference) runs the layer as one GEMM
 // with the fold and the activation in its epilogue (gemm_affine, then the softmax pass; a 16-bit
 // GEMM feeding an fp32 output without a softmax: the GEMM, then the widening affine pass) and
-// returns the output alone: z, the column sums and the moments come back empty.
+// returns the output alone: z, the column sums, the moments and the fold come back empty.
+//
+// The fold a forward applied (a, c) is returned and kept for the backward where an activation's
+// derivative reads it: folding again from the moments cost the backward an op call per head.
 //
 // Under autocast the autograd runs the backward's steps itself (the same per-pass ops, in the
 // same order) so that it can free the 16-bit casts of x and W after their last GEMM: a step's
@@ -54,8 +57,8 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
-using Tensor5 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using Tensor6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+using Tensor7 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 using Needs = std::array<bool, 6>;  // x, weight, bias, gamma, beta, scale
 
 // The per-pass ops, looked up once (op_handles.h).
@@ -97,17 +100,22 @@ EPIFUSE_OP(head_grad_z, "head_grad_z",
 EPIFUSE_OP(backward_matmul, "backward_matmul",
            Tensor(const Tensor&, const Tensor&, c10::string_view, OptDType))
 EPIFUSE_OP(fused_head_op, "fused_head",
-           Tensor5(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+           Tensor7(const Tensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
                    const Tensor&, const Tensor&, const Tensor& EPIFUSE_HEAD_PARAM_TYPES))
 EPIFUSE_OP(fused_head_backward_op, "fused_head_backward",
            Tensor6(const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
                    const Tensor&, const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
-                   const OptTensor&, const OptTensor&, const Tensor&, Needs EPIFUSE_HEAD_PARAM_TYPES))
+                   const OptTensor&, const OptTensor&, const Tensor&, Needs, const OptTensor&,
+                   const OptTensor& EPIFUSE_HEAD_PARAM_TYPES))
 #undef EPIFUSE_OP
 
 // Problem 39's scale multiplies BatchNorm's input, problem 84's its output: (pre_scale, post_scale).
-std::pair<OptTensor, OptTensor> scales(const Tensor& scale, bool scale_before_bn) {
-  if (scale_before_bn) return {scale, std::nullopt};
+// A head without a scale (has_scale false) passes neither: its `scale` is a stand-in that nothing
+// reads, so the fold multiplies by nothing and the backward skips a one-element scale's gradient
+// (a sum over every column: scratch, a memset and a last-block reduction per backward).
+std::pair<OptTensor, OptTensor> scales(const Tensor& scale, const HeadConfig& cfg) {
+  if (!cfg.has_scale) return {std::nullopt, std::nullopt};
+  if (cfg.scale_before_bn) return {scale, std::nullopt};
   return {std::nullopt, scale};
 }
 
@@ -136,13 +144,14 @@ Tensor running_moments(const Tensor& running_mean, const Tensor& running_var) {
 // under autocast): bn_fold_eval -> gemm_affine, the layer as one GEMM
 // with the fold and the activation in its epilogue (-> the softmax pass: in place, or into the
 // output dtype autocast asks for). Without a softmax but with a wider output dtype than the GEMM's,
-// the GEMM writes z and the widening pass applies the fold and activation. Nothing is kept for a backward, so z, the column sums and the
-// moments come back empty. x and weight are the GEMM's operands (cast already under autocast).
-Tensor5 eval_head_without_backward(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+// the GEMM writes z and the widening pass applies the fold and activation. Nothing is kept for a
+// backward, so z, the column sums, the moments and the fold come back empty. x and weight are the
+// GEMM's operands (cast already under autocast).
+Tensor7 eval_head_without_backward(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                                    const Tensor& gamma, const Tensor& beta, const Tensor& scale,
                                    const Tensor& running_mean, const Tensor& running_var,
                                    const HeadConfig& cfg) {
-  const auto [pre, post] = scales(scale, cfg.scale_before_bn);
+  const auto [pre, post] = scales(scale, cfg);
   const auto [a, c] =
       bn_fold_eval().call(bias, gamma, beta, pre, post, running_mean, running_var, cfg.eps);
   const bool recast = cfg.out_dtype && *cfg.out_dtype != x.scalar_type();
@@ -167,10 +176,16 @@ Tensor5 eval_head_without_backward(const Tensor& x, const Tensor& weight, const 
                                   cfg.negative_slope);
   }
   const auto empty = [&](at::ScalarType dtype) { return at::empty({0}, y.options().dtype(dtype)); };
-  return {y, empty(x.scalar_type()), empty(at::kDouble), empty(at::kDouble), empty(at::kDouble)};
+  return {y,
+          empty(x.scalar_type()),
+          empty(at::kDouble),
+          empty(at::kDouble),
+          empty(at::kDouble),
+          empty(at::kFloat),
+          empty(at::kFloat)};
 }
 
-Tensor5 fused_head_impl(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+Tensor7 fused_head_impl(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                         const Tensor& gamma, const Tensor& beta, const Tensor& scale,
                         const Tensor& running_mean, const Tensor& running_var,
                         const HeadConfig& cfg) {
@@ -178,7 +193,7 @@ Tensor5 fused_head_impl(const Tensor& x, const Tensor& weight, const OptTensor& 
     return eval_head_without_backward(gemm_operand(x, cfg), gemm_weight(weight, cfg), bias, gamma,
                                       beta, scale, running_mean, running_var, cfg);
   }
-  const auto [pre, post] = scales(scale, cfg.scale_before_bn);
+  const auto [pre, post] = scales(scale, cfg);
   // Under autocast the autograd kernel hands over x and W already cast (and keeps them for the
   // backward); a direct call casts here.
   auto [z, colsum, colsumsq] =
@@ -199,11 +214,11 @@ Tensor5 fused_head_impl(const Tensor& x, const Tensor& weight, const OptTensor& 
                                                    cfg.out_dtype)
                            : affine().call(z, a, c, cfg.activation, cfg.negative_slope,
                                            cfg.out_dtype);
-  return {out, z, colsum, colsumsq, moments};
+  return {out, z, colsum, colsumsq, moments, a, c};
 }
 
 // The op's kernel (CPU and CUDA): the settings parsed into a HeadConfig, once.
-Tensor5 fused_head(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& gamma,
+Tensor7 fused_head(const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& gamma,
                    const Tensor& beta, const Tensor& scale, const Tensor& running_mean,
                    const Tensor& running_var EPIFUSE_HEAD_PARAMS) {
   const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
@@ -220,16 +235,20 @@ HeadGradZ head_backward_to_dz(const Tensor& grad, const OptTensor& bias, const T
                               const Tensor& beta, const Tensor& scale, const Tensor& z,
                               const OptTensor& out, const OptTensor& colsum,
                               const OptTensor& colsumsq, const Tensor& moments, Needs needs,
+                              const OptTensor& fold_a, const OptTensor& fold_c,
                               const HeadConfig& cfg) {
   const bool softmax = cfg.softmax, scale_before_bn = cfg.scale_before_bn;
   TORCH_CHECK(!softmax || out.has_value(), "epifuse::fused_head_backward: a softmax head needs out");
-  const auto [pre, post] = scales(scale, scale_before_bn);
+  const auto [pre, post] = scales(scale, cfg);
   const OptTensor rowdot = softmax ? OptTensor(softmax_grad_rowdot().call(grad, *out)) : std::nullopt;
   const OptTensor softmax_out = softmax ? out : std::nullopt;
-  // An activation's derivative at h = a * z + c: the fold (a, c) again, from the statistics the
-  // forward normalized with (moments: batch, merged or running), rather than kept from the forward.
+  // An activation's derivative at h = a * z + c: the fold the forward applied (fused_head's a and
+  // c, which the autograd keeps), or, where a caller has not got it, the fold again from the
+  // statistics the forward normalized with (moments: batch, merged or running).
   OptTensor a, c;
-  if (!cfg.activation.empty()) {  // bn_fold_eval reads the float64 moments as they are
+  if (!cfg.activation.empty() && fold_a && fold_c) {
+    a = fold_a, c = fold_c;
+  } else if (!cfg.activation.empty()) {  // bn_fold_eval reads the float64 moments as they are
     const int64_t n = gamma.size(0);
     const auto stat = [&](int64_t i) { return moments.slice(0, i * n, (i + 1) * n); };
     std::tie(a, c) = bn_fold_eval().call(bias, gamma, beta, pre, post, stat(0), stat(1), cfg.eps);
@@ -238,7 +257,8 @@ HeadGradZ head_backward_to_dz(const Tensor& grad, const OptTensor& bias, const T
                                             cfg.negative_slope);
   // du (hence dz, d bias and a scale before BatchNorm) needs the batch terms of every rank:
   // nn.SyncBatchNorm's condition, so ranks on the reference path issue the same all_reduce.
-  const bool need_du = needs[0] || needs[1] || needs[2] || (scale_before_bn && needs[5]);
+  const bool need_du =
+      needs[0] || needs[1] || needs[2] || (cfg.has_scale && scale_before_bn && needs[5]);
   OptTensor global_sums;
   if (cfg.training && !cfg.group_name.empty() && need_du) {
     global_sums = synced_grad_sums().call(sums, moments, bias, gamma, pre, post, cfg.eps,
@@ -247,7 +267,9 @@ HeadGradZ head_backward_to_dz(const Tensor& grad, const OptTensor& bias, const T
   auto [coef, g_bias, g_gamma, g_beta, g_pre, g_post] =
       head_grad_coefficients().call(sums, global_sums, colsum, colsumsq, moments, bias, gamma,
                                     beta, pre, post, cfg.training, cfg.eps);
-  HeadGradZ r{Tensor(), g_bias, g_gamma, g_beta, scale_before_bn ? g_pre : g_post};
+  // Without a scale (has_scale false) nothing read it: its gradient is zero where asked for.
+  const Tensor g_scale = !cfg.has_scale ? Tensor() : scale_before_bn ? g_pre : g_post;
+  HeadGradZ r{Tensor(), g_bias, g_gamma, g_beta, g_scale};
   // dz in z's dtype: the GEMM's, so dX and dW run in it too (under autocast, as eager's).
   if (needs[0] || needs[1]) {
     r.dz = head_grad_z().call(grad, softmax_out, rowdot, z, coef, a, c, cfg.activation,
@@ -276,31 +298,40 @@ Tensor backward_dw(const Tensor& dz, const Tensor& x, at::ScalarType param_dtype
   return grad_w.scalar_type() == param_dtype ? grad_w : grad_w.to(param_dtype);
 }
 
+// The scale's gradient as the backward returns it: computed (has_scale), or, for a head without a
+// scale, whose stand-in nothing read, zeros where one is asked for and else an empty tensor.
+Tensor scale_gradient(const HeadGradZ& r, const Tensor& scale, bool needed) {
+  if (r.scale.defined()) return r.scale;
+  return needed ? at::zeros_like(scale) : at::empty({0}, scale.options());
+}
+
 // dX and dW are computed only where needs asks (else empty tensors); the [N] parameter gradients
-// always.
+// always (the scale's: see scale_gradient).
 Tensor6 fused_head_backward_impl(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
                                  const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
                                  const Tensor& scale, const Tensor& z, const OptTensor& out,
                                  const OptTensor& colsum, const OptTensor& colsumsq,
-                                 const Tensor& moments, Needs needs, const HeadConfig& cfg) {
+                                 const Tensor& moments, Needs needs, const OptTensor& a,
+                                 const OptTensor& c, const HeadConfig& cfg) {
   TORCH_CHECK(!needs[0] || weight.has_value(), "epifuse::fused_head_backward: dX needs weight");
   TORCH_CHECK(!needs[1] || x.has_value(), "epifuse::fused_head_backward: dW needs x");
   const HeadGradZ r = head_backward_to_dz(grad, bias, gamma, beta, scale, z, out, colsum,
-                                          colsumsq, moments, needs, cfg);
+                                          colsumsq, moments, needs, a, c, cfg);
   const auto none = [&] { return at::empty({0}, grad.options()); };
   const Tensor grad_x = needs[0] ? backward_dx(r.dz, *weight, cfg) : none();
   const Tensor grad_w = needs[1] ? backward_dw(r.dz, *x, gamma.scalar_type(), cfg) : none();
-  return {grad_x, grad_w, r.bias, r.gamma, r.beta, r.scale};
+  return {grad_x, grad_w, r.bias, r.gamma, r.beta, scale_gradient(r, scale, needs[5])};
 }
 
 Tensor6 fused_head_backward(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
                             const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
                             const Tensor& scale, const Tensor& z, const OptTensor& out,
                             const OptTensor& colsum, const OptTensor& colsumsq,
-                            const Tensor& moments, Needs needs EPIFUSE_HEAD_PARAMS) {
+                            const Tensor& moments, Needs needs, const OptTensor& a,
+                            const OptTensor& c EPIFUSE_HEAD_PARAMS) {
   const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
   return fused_head_backward_impl(grad, x, weight, bias, gamma, beta, scale, z, out, colsum,
-                                  colsumsq, moments, needs, cfg);
+                                  colsumsq, moments, needs, a, c, cfg);
 }
 
 // ---- autograd --------------------------------------------------------------------------------
@@ -310,13 +341,15 @@ using torch::autograd::variable_list;
 
 // The autograd functions' arguments, which their backwards return one gradient (or none) for.
 constexpr int kForwardArgs = 9;    // FusedHead: fused_head's 8 tensors, the HeadConfig
-constexpr int kBackwardArgs = 14;  // FusedHeadBackward: 12 tensors, needs, the HeadConfig
+constexpr int kBackwardArgs = 16;  // FusedHeadBackward: 12 tensors, needs, a, c, the HeadConfig
 
 // What the autograd keeps for the backward, by name: x and W only where the other one needs a
 // gradient (dX needs W, dW needs x, as eager's mm keeps them), out for softmax heads, colsum and
-// colsumsq in training; undefined where not kept.
-#define EPIFUSE_SAVED_TENSORS(X) \
-  X(x) X(weight) X(bias) X(gamma) X(beta) X(scale) X(z) X(out) X(colsum) X(colsumsq) X(moments)
+// colsumsq in training, the fold (a, c) where an activation's derivative reads it (two [N] vectors
+// that spare the backward a fold of its own); undefined where not kept.
+#define EPIFUSE_SAVED_TENSORS(X)                                                                  \
+  X(x) X(weight) X(bias) X(gamma) X(beta) X(scale) X(z) X(out) X(colsum) X(colsumsq) X(moments) \
+  X(a) X(c)
 
 struct SavedTensors {
 #define EPIFUSE_SAVED_MEMBER_(name) Tensor name;
@@ -353,17 +386,17 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
                                const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
                                const Tensor& scale, const Tensor& running_mean,
                                const Tensor& running_var, const HeadConfig& cfg) {
-    Tensor out, z, colsum, colsumsq, moments, x_gemm, w_gemm;
+    Tensor out, z, colsum, colsumsq, moments, a, c, x_gemm, w_gemm;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       // The GEMM's operands (autocast: 16-bit casts; the weight's kept while it is unchanged),
       // cast once here so that the backward reuses them.
       x_gemm = gemm_operand(x, cfg);
       w_gemm = gemm_weight(weight, cfg);
-      std::tie(out, z, colsum, colsumsq, moments) = fused_head_op().call(
+      std::tie(out, z, colsum, colsumsq, moments, a, c) = fused_head_op().call(
           x_gemm, w_gemm, bias, gamma, beta, scale, running_mean, running_var EPIFUSE_HEAD_ARGS);
     }
-    ctx->mark_non_differentiable({z, colsum, colsumsq, moments});
+    ctx->mark_non_differentiable({z, colsum, colsumsq, moments, a, c});
     ctx->set_materialize_grads(false);
     // z and out are the [M, N] tensors kept. Under autocast the GEMM's operands are 16-bit casts
     // made above, which only this backward reads: they are kept in saved_data, from which the
@@ -384,11 +417,13 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     saved.colsum = cfg.training ? colsum : Tensor();
     saved.colsumsq = cfg.training ? colsumsq : Tensor();
     saved.moments = moments;
+    saved.a = cfg.activation.empty() ? Tensor() : a;
+    saved.c = cfg.activation.empty() ? Tensor() : c;
     ctx->save_for_backward(saved.list());
     save_head_config(ctx, cfg);
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     ctx->saved_data["x_dtype"] = x.scalar_type();
-    return {out, z, colsum, colsumsq, moments};
+    return {out, z, colsum, colsumsq, moments, a, c};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -430,15 +465,17 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       HeadGradZ r = head_backward_to_dz(grad, opt(s.bias), s.gamma, s.beta, s.scale, s.z,
                                         opt(s.out), opt(s.colsum), opt(s.colsumsq), s.moments,
-                                        needs, cfg);
+                                        needs, opt(s.a), opt(s.c), cfg);
       if (needs[0]) all[0] = backward_dx(r.dz, w_gemm, cfg);
       w_gemm.reset();
       if (needs[1]) all[1] = backward_dw(r.dz, x_gemm, s.gamma.scalar_type(), cfg);
-      all[2] = r.bias, all[3] = r.gamma, all[4] = r.beta, all[5] = r.scale;
+      all[2] = r.bias, all[3] = r.gamma, all[4] = r.beta;
+      all[5] = scale_gradient(r, s.scale, needs[5]);
     } else {
       auto grads_in = fused_head_backward_op().call(
           grad, opt(x_gemm), opt(w_gemm), opt(s.bias), s.gamma, s.beta, s.scale, s.z,
-          opt(s.out), opt(s.colsum), opt(s.colsumsq), s.moments, needs EPIFUSE_HEAD_ARGS);
+          opt(s.out), opt(s.colsum), opt(s.colsumsq), s.moments, needs, opt(s.a),
+          opt(s.c) EPIFUSE_HEAD_ARGS);
       all = {std::get<0>(grads_in), std::get<1>(grads_in), std::get<2>(grads_in),
              std::get<3>(grads_in), std::get<4>(grads_in), std::get<5>(grads_in)};
     }
@@ -459,9 +496,10 @@ struct FusedHeadBackward : torch::autograd::Function<FusedHeadBackward> {
                                const Tensor& beta, const Tensor& scale, const Tensor& z,
                                const OptTensor& out, const OptTensor& colsum,
                                const OptTensor& colsumsq, const Tensor& moments, Needs needs,
-                               const HeadConfig& cfg) {
+                               const OptTensor& a, const OptTensor& c, const HeadConfig& cfg) {
     auto r = call_below_autograd(fused_head_backward_op(), grad, x, weight, bias, gamma, beta,
-                                 scale, z, out, colsum, colsumsq, moments, needs EPIFUSE_HEAD_ARGS);
+                                 scale, z, out, colsum, colsumsq, moments, needs, a,
+                                 c EPIFUSE_HEAD_ARGS);
     return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r),
             std::get<5>(r)};
   }
@@ -476,7 +514,7 @@ struct FusedHeadBackward : torch::autograd::Function<FusedHeadBackward> {
 
 namespace {
 
-Tensor5 fused_head_autograd(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+Tensor7 fused_head_autograd(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                             const Tensor& gamma, const Tensor& beta, const Tensor& scale,
                             const Tensor& running_mean,
                             const Tensor& running_var EPIFUSE_HEAD_PARAMS) {
@@ -493,7 +531,7 @@ Tensor5 fused_head_autograd(const Tensor& x, const Tensor& weight, const OptTens
   }
   const variable_list r =
       FusedHead::apply(x, weight, bias, gamma, beta, scale, running_mean, running_var, cfg);
-  return {r[0], r[1], r[2], r[3], r[4]};
+  return {r[0], r[1], r[2], r[3], r[4], r[5], r[6]};
 }
 
 // AutocastCUDA: the head under torch.autocast("cuda", dtype=d). The GEMMs run in d (x and W cast
@@ -503,7 +541,7 @@ Tensor5 fused_head_autograd(const Tensor& x, const Tensor& weight, const OptTens
 // (scale * y), softmax is one of autocast's fp32 ops. Read at call time, so nested and disabled
 // regions are followed (torch.library.register_autocast fixes one dtype when registered).
 // Inputs autocast would not cast (float64, or already cast) pass through unchanged.
-Tensor5 fused_head_autocast(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+Tensor7 fused_head_autocast(const Tensor& x, const Tensor& weight, const OptTensor& bias,
                             const Tensor& gamma, const Tensor& beta, const Tensor& scale,
                             const Tensor& running_mean,
                             const Tensor& running_var EPIFUSE_HEAD_PARAMS) {
@@ -528,16 +566,19 @@ Tensor6 fused_head_backward_autograd(const Tensor& grad, const OptTensor& x, con
                                      const Tensor& beta, const Tensor& scale, const Tensor& z,
                                      const OptTensor& out, const OptTensor& colsum,
                                      const OptTensor& colsumsq, const Tensor& moments,
-                                     Needs needs EPIFUSE_HEAD_PARAMS) {
+                                     Needs needs, const OptTensor& a,
+                                     const OptTensor& c EPIFUSE_HEAD_PARAMS) {
   const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
   if (!at::GradMode::is_enabled()) {
     // The usual backward (no create_graph): nothing will differentiate the result, so no node
     // is recorded; skipping Function::apply's bookkeeping saves host time on every step.
     return call_below_autograd(fused_head_backward_op(), grad, x, weight, bias, gamma, beta,
-                               scale, z, out, colsum, colsumsq, moments, needs EPIFUSE_HEAD_ARGS);
+                               scale, z, out, colsum, colsumsq, moments, needs, a,
+                               c EPIFUSE_HEAD_ARGS);
   }
   const variable_list r = FusedHeadBackward::apply(grad, x, weight, bias, gamma, beta, scale, z,
-                                                   out, colsum, colsumsq, moments, needs, cfg);
+                                                   out, colsum, colsumsq, moments, needs, a, c,
+                                                   cfg);
   return {r[0], r[1], r[2], r[3], r[4], r[5]};
 }
 
@@ -548,19 +589,24 @@ TORCH_LIBRARY_FRAGMENT(epifuse, m) {
   using epifuse::head_schema_kwargs;
   // Tensors positional, settings keyword-only with defaults (head_config.h: every HeadConfig
   // field, e.g. "*, str precision='3xtf32', bool training=True, ...").
-  // (out, z, colsum, colsumsq, moments): the head's output; the GEMM output z and moments (the
-  // statistics u was normalized with, fold.moments_vector) for the backward; this batch's column
-  // sums for the caller's running-statistics update (an eval call with for_backward=False returns
-  // the last four empty). group_name non-empty: batch statistics over that process group's ranks.
+  // (out, z, colsum, colsumsq, moments, a, c): the head's output; the GEMM output z and moments
+  // (the statistics u was normalized with, fold.moments_vector) for the backward and the caller's
+  // running-statistics update; this batch's column sums; the fold the output was computed with
+  // (float32 [N]: out = act(a * z + c)), which the backward reads for an activation's derivative.
+  // An eval call with for_backward=False returns the last six empty. group_name non-empty: batch
+  // statistics over that process group's ranks.
   m.def((std::string("fused_head(Tensor x, Tensor weight, Tensor? bias, Tensor gamma, Tensor beta, "
                      "Tensor scale, Tensor running_mean, Tensor running_var, ") +
-         head_schema_kwargs() + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+         head_schema_kwargs() + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
             .c_str());
   // (grad_x, grad_weight, grad_bias, grad_gamma, grad_beta, grad_scale); needs: which of
-  // x, weight, bias, gamma, beta, scale want a gradient (grad_x / grad_weight are empty otherwise).
+  // x, weight, bias, gamma, beta, scale want a gradient (grad_x / grad_weight are empty otherwise;
+  // a head without a scale returns its gradient as zeros if needed, else empty). a, c: fused_head's
+  // fold, which an activation's derivative reads (absent: folded again from moments).
   m.def((std::string("fused_head_backward(Tensor grad, Tensor? x, Tensor? weight, Tensor? bias, "
                      "Tensor gamma, Tensor beta, Tensor scale, Tensor z, Tensor? out, "
-                     "Tensor? colsum, Tensor? colsumsq, Tensor moments, bool[6] needs, ") +
+                     "Tensor? colsum, Tensor? colsumsq, Tensor moments, bool[6] needs, "
+                     "Tensor? a=None, Tensor? c=None, ") +
          head_schema_kwargs() + ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
             .c_str());
   // Synchronized-statistics hooks (CUDA kernels: synced_hooks.cpp; CPU kernels:

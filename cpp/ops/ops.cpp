@@ -735,6 +735,15 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
     if (fp16) fp16_overflow_(product.data_ptr<float>(), product.numel(), current_stream());
     return product;
   }
+  if (a.element_size() == 2) {
+    // 16-bit operands: cuBLAS, as at::mm runs it. Nothing to plan (only fp32 products have a 3x
+    // split or K-major copies), so no prepare_gemm, whose view of b^T cublas_product would
+    // transpose back: two view ops of host time per product, four a backward.
+    at::Tensor out = new_cuda({a.size(0), b.size(1)},
+                              a.options().memory_format(at::MemoryFormat::Contiguous));
+    at::mm_out(out, a, b);
+    return out;
+  }
   // a . b = a . (b^T)^T: the GEMM of the forward with b^T as its weight, a view (no copy).
   // Only the Hopper 3x plan runs here (its split reads any strides); everything else is cuBLAS,
   // which takes the transposed views as they are, except that in TF32 the dispatcher may ask for

@@ -126,24 +126,26 @@ def _nothing_converted_message(module: nn.Module) -> str:
 _NOT_REQUESTED = object()
 
 
-def _requested_group(module: nn.Module):
+def _requested_group(module: nn.Module, bn: nn.Module):
     """The group a head asks to synchronize over (None: WORLD), or _NOT_REQUESTED."""
     if getattr(module, "sync_batchnorm", False):
         return module.process_group
-    if isinstance(module.bn, nn.SyncBatchNorm):  # nn.SyncBatchNorm.convert_sync_batchnorm
-        return module.bn.process_group
+    if isinstance(bn, nn.SyncBatchNorm):  # nn.SyncBatchNorm.convert_sync_batchnorm
+        return bn.process_group
     return _NOT_REQUESTED
 
 
-def sync_group(module: nn.Module) -> Optional["dist.ProcessGroup"]:
+def sync_group(module: nn.Module, bn: Optional[nn.Module] = None) -> Optional["dist.ProcessGroup"]:
     """The process group to synchronize ``module``'s batch statistics over, or None.
 
     nn.SyncBatchNorm's rule: only in training mode, with torch.distributed
     available and initialized, and a group of more than one rank; otherwise
-    the head behaves exactly as without synchronization.
+    the head behaves exactly as without synchronization. ``bn``: the head's
+    BatchNorm where the caller has looked it up already (else ``module.bn``).
     """
-    requested = _requested_group(module)
-    if requested is _NOT_REQUESTED or not module.bn.training:
+    bn = module.bn if bn is None else bn
+    requested = _requested_group(module, bn)
+    if requested is _NOT_REQUESTED or not bn.training:
         return None
     if not (dist.is_available() and dist.is_initialized()):
         return None

@@ -36,9 +36,10 @@ from . import distributed, synced_ops
 from .head_config import DEFAULT as _D
 
 _F64 = torch.float64
+_F32 = torch.float32
 
 # The op: fused_head(x, weight, bias, gamma, beta, scale, running_mean, running_var,
-# **HeadConfig.kwargs()) -> (out, z, colsum, colsumsq, moments).
+# **HeadConfig.kwargs()) -> (out, z, colsum, colsumsq, moments, a, c).
 fused_head = torch.ops.epifuse.fused_head.default
 
 
@@ -94,14 +95,16 @@ def _fused_head_fake(x, weight, bias, gamma, beta, scale, running_mean, running_
     if not config.get("training", _D.training) and not config.get("for_backward", _D.for_backward):
         # An eval forward for no backward: the output alone, the rest empty (z's in its dtype).
         return (out, x.new_empty((0,), dtype=z.dtype), x.new_empty((0,), dtype=_F64),
-                x.new_empty((0,), dtype=_F64), x.new_empty((0,), dtype=_F64))
+                x.new_empty((0,), dtype=_F64), x.new_empty((0,), dtype=_F64),
+                x.new_empty((0,), dtype=_F32), x.new_empty((0,), dtype=_F32))
     return (out, z, x.new_empty((n,), dtype=_F64), x.new_empty((n,), dtype=_F64),
-            x.new_empty((2 * n + 1,), dtype=_F64))
+            x.new_empty((2 * n + 1,), dtype=_F64), x.new_empty((n,), dtype=_F32),
+            x.new_empty((n,), dtype=_F32))
 
 
 @torch.library.register_fake("epifuse::fused_head_backward")
 def _fused_head_backward_fake(grad, x, weight, bias, gamma, beta, scale, z, out, colsum,
-                              colsumsq, moments, needs, **config):
+                              colsumsq, moments, needs, a=None, c=None, **config):
     # config: the settings given (HeadConfig's fields, keyword-only); no shape depends on them.
     torch._check(grad.dim() == 2, lambda: "grad must be 2-D")
     m, n = grad.shape
@@ -112,8 +115,10 @@ def _fused_head_backward_fake(grad, x, weight, bias, gamma, beta, scale, z, out,
               if needs[0] else grad.new_empty((0,)))
     grad_w = z.new_empty((n, x.shape[1]), dtype=gamma.dtype) if needs[1] else grad.new_empty((0,))
     grad_bias = gamma.new_empty((0,), dtype=torch.float32) if bias is None else torch.empty_like(bias)
-    return (grad_x, grad_w, grad_bias, torch.empty_like(gamma), torch.empty_like(beta),
-            torch.empty_like(scale))
+    # A head without a scale (has_scale=False) reads none: zeros where asked for, else empty.
+    has_grad_scale = config.get("has_scale", _D.has_scale) or needs[5]
+    grad_scale = torch.empty_like(scale) if has_grad_scale else scale.new_empty((0,))
+    return (grad_x, grad_w, grad_bias, torch.empty_like(gamma), torch.empty_like(beta), grad_scale)
 
 
 @torch.library.register_fake("epifuse::synced_batch_fold")

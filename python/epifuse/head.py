@@ -186,15 +186,26 @@ def _member(module: nn.Module, registry: str, name: str):
     return getattr(module, name) if value is _MISSING else value
 
 
+def _registered_members(module: nn.Module) -> tuple:
+    """(gemm, bn, scale) of a head that holds them (FusedLinearBatchNorm, the problems' ModelNew):
+    from its registries, or the normal lookup for a name not there (head._member)."""
+    return (_member(module, "_modules", "gemm"), _member(module, "_modules", "bn"),
+            _member(module, "_parameters", "scale"))
+
+
 def _parts(module: nn.Module) -> _Parts:
-    gemm, bn = _member(module, "_modules", "gemm"), _member(module, "_modules", "bn")
+    # A head that borrows its members reads them its own way (FusedChain._head_members: the slots
+    # in the model); a scale of None is a head without one, which reads a ones(1) stand-in.
+    own_read = getattr(type(module), "_head_members", None)
+    gemm, bn, scale = _registered_members(module) if own_read is None else own_read(module)
     if not (computes_as_linear(gemm) and computes_as_batch_norm(bn)):
         # Not the modules the head computes (a LayerNorm put where the BatchNorm was, a QAT
         # Linear): nothing else is read; _reason sends the head to its modules.
         return _Parts(gemm, bn, *(None,) * 8)
-    return _Parts(gemm, bn, _member(gemm, "_parameters", "weight"),
-                  _member(gemm, "_parameters", "bias"), _member(bn, "_parameters", "weight"),
-                  _member(bn, "_parameters", "bias"), _member(module, "_parameters", "scale"),
+    weight = _member(gemm, "_parameters", "weight")
+    return _Parts(gemm, bn, weight, _member(gemm, "_parameters", "bias"),
+                  _member(bn, "_parameters", "weight"), _member(bn, "_parameters", "bias"),
+                  stand_in(1.0, 1, weight) if scale is None else scale,
                   _member(bn, "_buffers", "running_mean"), _member(bn, "_buffers", "running_var"),
                   _member(bn, "_buffers", "num_batches_tracked"))
 
@@ -305,9 +316,9 @@ def _bn_defaults(parts: _Parts) -> _Parts:
 def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
              reference: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
     """Forward of a head module: fused on supported inputs, ``reference(module, x)`` otherwise."""
-    # Synchronized batch statistics in data-parallel training (None: not synchronized).
-    group = distributed.sync_group(module)
     parts = _parts(module)
+    # Synchronized batch statistics in data-parallel training (None: not synchronized).
+    group = distributed.sync_group(module, parts.bn)
     if _reason(parts, x) is not None:
         if group is None or not isinstance(parts.bn, _BatchNorm):
             return reference(module, x)  # (no batch statistics to synchronize without a BatchNorm)
@@ -316,23 +327,23 @@ def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
     # BatchNorm's rule: running statistics are updated in training only while track_running_stats
     # is set (a flag people clear on a trained BatchNorm to freeze its statistics; the buffers stay).
     tracks_running_stats = parts.running_mean is not None and bn.track_running_stats
+    # (A stand-in for an absent parameter, _bn_defaults' below, never requires grad.)
+    for_backward = torch.is_grad_enabled() and (
+        x.requires_grad or parts.weight.requires_grad or parts.scale.requires_grad
+        or any(p is not None and p.requires_grad for p in (parts.bias, parts.gamma, parts.beta)))
     config = HeadConfig(precision=resolve_precision(module.precision, x.dtype),
                         training=_batch_statistics(parts), scale_before_bn=spec.scale_before_bn,
                         softmax=spec.softmax, activation=spec.activation,
                         negative_slope=spec.negative_slope, momentum=bn.momentum, eps=bn.eps,
                         group_name="" if group is None else group.group_name,
-                        has_scale=spec.has_scale)
+                        has_scale=spec.has_scale, for_backward=for_backward)
     parts = _bn_defaults(parts)
-    for_backward = torch.is_grad_enabled() and (x.requires_grad or any(
-        p is not None and p.requires_grad
-        for p in (parts.weight, parts.bias, parts.gamma, parts.beta, parts.scale)))
     # Under CUDA autocast the head runs epifuse::fused_head, whose AutocastCUDA kernel picks the
     # GEMMs' 16-bit dtype and the output dtype (the in-place ops below have no autocast kernel);
     # without a backward to feed, its eval form is one GEMM with the fold in its epilogue.
     if group is None and not torch.is_autocast_enabled("cuda") and not for_backward:
         return _fused_forward(x, parts, config, tracks_running_stats)
-    return _differentiable_forward(x, parts, config._replace(for_backward=for_backward),
-                                   tracks_running_stats)
+    return _differentiable_forward(x, parts, config, tracks_running_stats)
 
 
 # --------------------------------------------------------------------------- differentiable forward
@@ -342,13 +353,15 @@ def _differentiable_forward(x: Tensor, parts: _Parts, config: HeadConfig,
     """epifuse::fused_head, then the running-statistics update it leaves to its caller."""
     p = parts
     with _range("epifuse.fused_head"):
-        out, _, _, _, moments = fused_head(
+        out, _, _, _, moments, _, _ = fused_head(
             x, p.weight, p.bias, p.gamma, p.beta, p.scale, p.running_mean, p.running_var,
             **config.kwargs())
     if config.training and update_running_stats:
         # From the moments the op folded with (the batch's, or all ranks' merged ones, whose count
         # stays on the device): one kernel, no second fold.
-        with _range("epifuse.running_stats"), torch.no_grad():
+        # (No torch.no_grad: nothing here requires grad, moments is not differentiable, and the
+        # context cost a head ~3 us of host time per forward.)
+        with _range("epifuse.running_stats"):
             ops.update_running_stats(moments, p.running_mean, p.running_var,
                                      p.num_batches_tracked, momentum=config.momentum)
     return out

@@ -50,8 +50,10 @@ class HeadConfig(NamedTuple):
     # Non-empty: training statistics over the ranks of this process group (its group_name);
     # '': this process's batch only.
     group_name: str = ""
-    # The head owns a scale (False: the ``scale`` tensor is a ones(1) stand-in). Only the output
-    # dtype under autocast depends on it: a real fp32 scale promotes, as it does in eager.
+    # The head owns a scale (False: the ``scale`` tensor is a stand-in, e.g. a ones(1), that the
+    # ops do not read: the fold multiplies by nothing and the backward computes no scale gradient,
+    # returning zeros where one is asked for). Under autocast a real fp32 scale also promotes the
+    # output's dtype, as it does in eager.
     has_scale: bool = True
     # The dtype the GEMMs run in (x and W are cast to it inside the op; statistics, fold and passes
     # stay fp32). None: x's dtype. Under torch.autocast the op's AutocastCUDA kernel sets it.
@@ -81,5 +83,8 @@ DEFAULT = HeadConfig()
 
 
 def split_scale(config: HeadConfig, scale):
-    """(pre_scale, post_scale) as the fold ops take them: the scale on its side of BatchNorm."""
+    """(pre_scale, post_scale) as the fold ops take them: the scale on its side of BatchNorm, or
+    neither for a head without one (its stand-in is not read: the fold multiplies by nothing)."""
+    if not config.has_scale:
+        return None, None
     return (scale, None) if config.scale_before_bn else (None, scale)

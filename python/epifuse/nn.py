@@ -148,7 +148,7 @@ class HeadModule(NotScriptable, nn.Module):
     """What both fused head modules share: the spec, the precision and the forward.
 
     Subclasses provide ``gemm``, ``bn``, ``scale`` (a ones(1) stand-in when the
-    head has none: the fold multiplies by it exactly) and ``has_scale``. The
+    head has none, which the ops do not read) and ``has_scale``. The
     activation is kept by name (``activation``, '' for none, and ``negative_slope``),
     not as a module: the activations hold no state.
     """

@@ -83,6 +83,11 @@ class FusedChain(HeadModule):
         # No scale in the model: the head's math takes a ones(1) like the weight (exact).
         return stand_in(1.0, 1, self.gemm.weight)
 
+    def _head_members(self) -> tuple:
+        """(gemm, bn, scale) from the slots; a scale of None: the model has none (a stand-in)."""
+        scale = None if self._scale_slot is None else self._scale_slot.get()
+        return self._gemm_slot.get(), self._bn_slot.get(), scale
+
     def forward(self, x: Tensor) -> Tensor:
         if self._modules_changed():
             # The head up to the scale as always (fused, or synchronized), then the model's own

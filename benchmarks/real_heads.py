@@ -107,6 +107,10 @@ def run_case(model_name: str, setting: str, mode: str, dims, batch: int, device:
     _, report = epifuse.fuse(fused)
     models = {"ours": fused, "eager": eager}
     if compile_:
+        # A fresh dynamo cache for every case, as the main benchmark's (cases.py): each case
+        # compiles another model instance of the same code, and past dynamo's recompile limit the
+        # compiled wrapper runs eager without a word (a full run's later rows timed eager twice).
+        torch._dynamo.reset()
         models["compile"] = torch.compile(copy.deepcopy(eager))
     row = {"model": model_name, "setting": setting, "mode": mode, "batch": batch,
            "fused": [f.where for f in report.fused], "skipped": [s.where for s in report.skipped]}

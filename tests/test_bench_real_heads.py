@@ -38,6 +38,22 @@ def test_dry_run_writes_rows(tmp_path):
     assert torch.get_float32_matmul_precision() == "highest"  # the run restored it
 
 
+def test_every_case_compiles_afresh(monkeypatch):
+    """Each case resets dynamo before compiling its model: cases compile new instances of the same
+    code, and past dynamo's recompile limit a torch.compile wrapper silently runs eager (the
+    full runs' later "compile" columns equalled eager's before this)."""
+    from benchmarks import timing
+    events = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
+    monkeypatch.setattr(torch, "compile", lambda model: events.append("compile") or model)
+    settings = timing.Settings(warmup=1, iters=1, min_iters=1)
+    for mode in ("train", "eval"):
+        row = real_heads.run_case("classifier", "fp32", mode, (8, 16, 4), 16,
+                                  torch.device("cpu"), settings, compile_=True)
+        assert row["timings_ms"]["compile"]["median_ms"] > 0
+    assert events == ["reset", "compile"] * 2
+
+
 def test_queued_timing_keeps_the_gpu_ahead_of_the_host():
     """timing.measure_queued_rounds times calls queued behind a spin kernel: the spin outlasts the
     host's queueing (gpu_kept_busy), and the per-call GPU time of a fixed kernel does not depend

@@ -80,7 +80,8 @@ class FusedChain(HeadModule):
     def scale(self) -> Tensor:
         if self._scale_slot is not None:
             return self._scale_slot.get()
-        # No scale in the model: the head's math takes a ones(1) like the weight (exact).
+        # No scale in the model: a ones(1) stand-in like the weight, which the ops do not read
+        # (the head's has_scale is False).
         return stand_in(1.0, 1, self.gemm.weight)
 
     def _head_members(self) -> tuple:

@@ -195,7 +195,8 @@ def _registered_members(module: nn.Module) -> tuple:
 
 def _parts(module: nn.Module) -> _Parts:
     # A head that borrows its members reads them its own way (FusedChain._head_members: the slots
-    # in the model); a scale of None is a head without one, which reads a ones(1) stand-in.
+    # in the model); a scale of None is a head without one: the ops get a ones(1) stand-in, which
+    # they do not read (has_scale is False).
     own_read = getattr(type(module), "_head_members", None)
     gemm, bn, scale = _registered_members(module) if own_read is None else own_read(module)
     if not (computes_as_linear(gemm) and computes_as_batch_norm(bn)):

@@ -122,6 +122,10 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
         "backward_matmul": [case(z, t(n, k), prec), case(z.t(), x, prec),
                             # dW under autocast: written in fp32 by the GEMM (16-bit samples)
                             case(z.t(), x, prec, out_dtype=torch.float32)],
+        # The GEMM operands under autocast (fp32 x or W to 16 bits), a transposed view (aten::to's
+        # strides), and a copy in the dtype t has already.
+        "gemm_operand": [case(x.float(), torch.bfloat16), case(w.float(), torch.float16),
+                         case(x.float().t(), torch.bfloat16), case(x, dtype)],
         # Synchronized statistics: this rank's row of u's moments, every rank's rows merged and
         # folded (unequal counts, an empty rank, a single rank), the backward's row.
         "pack_moments": [case(colsum, colsumsq, m, bias, None),

@@ -200,6 +200,43 @@ def test_fused_chain_under_autocast_matches_eager_dtypes(amp):
 
 
 @pytest.mark.hopper
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_autocast_casts_x_and_w_with_the_gemm_operand_kernel(amp, training):
+    """Under autocast the head casts its fp32 x and W for the GEMMs with gemm_operand's kernel, not
+    aten::to (host time on every training step): no aten::to runs in its forward, and every output
+    equals, bit for bit, the same op's on x and W cast by PyTorch beforehand."""
+    dtype = AMP[amp]
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    m, k, n = 256, 512, 384
+
+    def t(*shape, lo=-1.0, hi=1.0, grad=True):
+        v = torch.rand(shape, device=CUDA, generator=g) * (hi - lo) + lo
+        return v.requires_grad_(grad)
+
+    x, w = t(m, k), t(n, k) / k ** 0.5
+    rest = (t(n), t(n, lo=0.5, hi=1.5), t(n), t(1, lo=0.5, hi=2.0),
+            t(n, grad=False), t(n, lo=0.5, hi=1.5, grad=False))
+    kwargs = dict(training=training, activation="relu")
+    out = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
+        with _autocast(dtype):
+            out.extend(torch.ops.epifuse.fused_head(x, w, *rest, **kwargs))
+    events = prof.profiler.kineto_results.events()
+    assert "epifuse::fused_head" in [e.name() for e in events]
+    # (eval reads the running statistics in float64: casts of [n] vectors)
+    operand_casts = [e.name() for e in events if e.name() in ("aten::to", "aten::_to_copy")
+                     and list(e.shapes()[0]) in ([m, k], [n, k])]
+    assert operand_casts == []
+    cast = torch.ops.epifuse.fused_head(x.detach().to(dtype), w.detach().to(dtype),
+                                        *(r.detach() for r in rest), gemm_dtype=dtype,
+                                        out_dtype=out[0].dtype, **kwargs)
+    for got, want in zip(out, cast, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.hopper
 def test_gradscaler_skips_the_same_steps_as_eager():
     """An fp16 loop whose first steps overflow: the loss scale and the parameters follow eager's."""
     def run(model_cls_new: bool):

@@ -653,6 +653,54 @@ def test_widening_affine_on_offset_views(dtype_id, offset):
         assert row_err.max().item() <= 1e-6
 
 
+# Values whose rounding to 16 bits is where casts differ: NaN, +-inf, fp16's overflow (65520
+# rounds to inf, 65504 is its largest finite value), fp32's largest, subnormals, signed zeros, and
+# ties (1 + 2^-8 and 1 + 3 * 2^-8 for bf16, 1 + 2^-11 and 1 + 3 * 2^-11 for fp16: to even).
+_CAST_SPECIALS = [float("nan"), float("inf"), -float("inf"), 7e4, -7e4, 65520.0, 65504.0, 3.4e38,
+                  1e-40, -1e-45, 0.0, -0.0, 1 + 2**-8, 1 + 3 * 2**-8, 1 + 2**-11, 1 + 3 * 2**-11,
+                  2**-25, 3 * 2**-26, -(1 + 2**-8)]
+
+
+def _epifuse_and_aten_ops_run(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name() for e in prof.profiler.kineto_results.events()]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("dtype_id", ["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["vectors", "tail", "misaligned"])
+def test_gemm_operand_rounds_as_tensor_to(dtype_id, layout):
+    """The heads' autocast cast of x and W (narrowing_cast.cu, not aten::to): bit for bit
+    Tensor.to's, NaN for NaN, over the values where roundings differ; in whole 8-element vectors,
+    with a tail past the last one, and from a view 4 bytes into its allocation (every element on
+    the scalar path). No aten::to runs."""
+    dtype = DTYPES[dtype_id]
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    n = 4096 * 33 + (5 if layout == "tail" else 0)
+    offset = 1 if layout == "misaligned" else 0
+    t = (torch.randn(n + offset, device=CUDA, generator=g) * 100)[offset:]
+    specials = torch.tensor(_CAST_SPECIALS, device=CUDA)
+    t[:specials.numel()] = specials
+    t[-specials.numel():] = specials  # in the tail too
+    t = t.view(-1, 1) if layout == "tail" else t.view(33, 4096)
+    got = []
+    names = _epifuse_and_aten_ops_run(lambda: got.append(ops.gemm_operand(t, dtype)))
+    got = got[0]
+    assert "epifuse::gemm_operand" in names and not any(
+        n in names for n in ("aten::to", "aten::_to_copy", "aten::copy_")), names
+    want = t.to(dtype)
+    assert (got.dtype, got.shape, got.is_contiguous()) == (dtype, t.shape, True)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    # Strided (a transposed view) and non-float32 inputs take aten::to, with its layout.
+    for other in (t.t(), t.double()):
+        assert torch.equal(ops.gemm_operand(other, dtype).view(torch.int16),
+                           other.to(dtype).view(torch.int16))
+        assert ops.gemm_operand(other, dtype).stride() == other.to(dtype).stride()
+
+
 @pytest.mark.hopper
 @pytest.mark.parametrize("dtype_id,n", [pytest.param(d, n, id=f"{d}-N{n}")
                                         for d in DTYPES for n in WIDTHS])

@@ -48,6 +48,7 @@
 #include <tuple>
 
 #include "head_config.h"
+#include "op_args.h"
 #include "op_handles.h"
 #include "weight_split_cache.h"
 
@@ -122,7 +123,7 @@ std::pair<OptTensor, OptTensor> scales(const Tensor& scale, const HeadConfig& cf
 // x or W as the GEMMs read them: cast to cfg.gemm_dtype (autocast), or as they are.
 Tensor gemm_operand(const Tensor& t, const HeadConfig& cfg) {
   if (!cfg.gemm_dtype || t.scalar_type() == *cfg.gemm_dtype) return t;
-  return t.to(*cfg.gemm_dtype);
+  return to_gemm_dtype(t, *cfg.gemm_dtype);
 }
 
 // The weight as the GEMMs read it: under autocast its 16-bit cast, kept while the weight is

@@ -62,6 +62,27 @@ c10::cuda::CUDAGuard guard_for(const at::Tensor& t, const char* op, const char* 
   return c10::cuda::CUDAGuard(t.device());
 }
 
+at::Tensor to_gemm_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  const bool narrowing = t.scalar_type() == at::kFloat &&
+                         (dtype == at::kBFloat16 || dtype == at::kHalf);
+  // A tensor with CUDA memory behind it: torch.compile traces this op's autograd and autocast
+  // kernels with FakeTensors (the Python key) and functional wrappers, whose data is not there to
+  // read; they, and any other subclass, take aten::to.
+  static const c10::DispatchKeySet plain_cuda =
+      c10::DispatchKeySet({c10::DispatchKey::CUDA, c10::DispatchKey::AutogradCUDA,
+                           c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutocastCUDA});
+  if (!narrowing || !t.is_cuda() || !plain_cuda.isSupersetOf(t.key_set()) ||
+      !t.is_contiguous() || !device_supported(t.get_device())) {
+    return t.to(dtype);
+  }
+  const c10::cuda::CUDAGuard guard(t.device());
+  // t's strides, as Tensor.to keeps them (a contiguous tensor's size-1 dimensions may have any).
+  at::Tensor out = at::detail::empty_strided_cuda(t.sizes(), t.strides(), t.options().dtype(dtype));
+  narrowing_cast(t.data_ptr<float>(), out.data_ptr(), t.numel(),
+                 dtype == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat16, current_stream());
+  return out;
+}
+
 void check_fold_param(const at::Tensor& t, const char* name, bool scale, int64_t N,
                       const at::Tensor& like, const char* like_name, const char* op) {
   check_cuda(t, op, name, like);

@@ -72,6 +72,12 @@ inline at::Tensor new_cuda(at::IntArrayRef sizes, const at::TensorOptions& optio
   return at::detail::empty_cuda(sizes, options);
 }
 
+// t.to(dtype) for a GEMM operand cast under autocast. An fp32 CUDA tensor narrowed to bf16 or
+// fp16, contiguous, on a GPU this build has kernels for: a fresh tensor and one narrowing_cast
+// launch, without aten::to's dispatch and TensorIterator (narrowing_cast.cu says why). Anything
+// else: t.to(dtype).
+at::Tensor to_gemm_dtype(const at::Tensor& t, at::ScalarType dtype);
+
 // A parameter vector of a fold (argument `name` of `op`): on like's device and in its dtype
 // (like_name names it in the message), contiguous, [N] or, for a scale, 1 or N elements.
 void check_fold_param(const at::Tensor& t, const char* name, bool scale, int64_t N,

@@ -779,6 +779,11 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
 }
 
 }  // namespace
+// The op over to_gemm_dtype (op_args.h): always a new tensor, as the schema says.
+at::Tensor gemm_operand_cuda(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t.clone() : to_gemm_dtype(t, dtype);
+}
+
 }  // namespace epifuse
 
 TORCH_LIBRARY(epifuse, m) {
@@ -833,6 +838,9 @@ TORCH_LIBRARY(epifuse, m) {
   // out_dtype: a's (None) or float32 for 16-bit a and b (written by the GEMM; from fp16 operands,
   // inf where the fp16 product would overflow).
   m.def("backward_matmul(Tensor a, Tensor b, str precision, *, ScalarType? out_dtype=None) -> Tensor");
+  // A GEMM operand in the GEMMs' dtype, as the heads under autocast cast x and W (a copy, also
+  // when t has it already): fp32 to bf16 / fp16 rounded as Tensor.to rounds (narrowing_cast.cu).
+  m.def("gemm_operand(Tensor t, ScalarType dtype) -> Tensor");
   // Build information (no tensors, so one kernel for every backend): the GPU architectures the
   // kernels were compiled for, e.g. "80,90a", and whether they run on compute capability major.minor.
   m.def("built_archs() -> str", []() { return std::string(epifuse::built_archs()); });
@@ -858,4 +866,5 @@ TORCH_LIBRARY_IMPL(epifuse, CUDA, m) {
   m.impl("head_grad_coefficients", &epifuse::head_grad_coefficients_cuda);
   m.impl("head_grad_z", &epifuse::head_grad_z_cuda);
   m.impl("backward_matmul", &epifuse::backward_matmul_cuda);
+  m.impl("gemm_operand", &epifuse::gemm_operand_cuda);
 }

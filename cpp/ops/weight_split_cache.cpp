@@ -117,8 +117,8 @@ at::Tensor kept_weight_cast(const at::Tensor& w, at::ScalarType dtype) {
   if (w.scalar_type() == dtype) return w;
   if (!w.is_cuda()) return w.to(dtype);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(w.device().index()).stream();
-  at::Tensor cast = kept(w, int(dtype), stream, [&] { return w.to(dtype); });
-  return cast.defined() ? cast : w.to(dtype);
+  at::Tensor cast = kept(w, int(dtype), stream, [&] { return to_gemm_dtype(w, dtype); });
+  return cast.defined() ? cast : to_gemm_dtype(w, dtype);
 }
 
 }  // namespace epifuse

@@ -46,6 +46,7 @@ OP_NAMES = (
     "epifuse::head_grad_coefficients",
     "epifuse::head_grad_z",
     "epifuse::backward_matmul",
+    "epifuse::gemm_operand",
     "epifuse::pack_moments",
     "epifuse::merge_fold",
     "epifuse::normalized_grad_sums",
@@ -70,6 +71,7 @@ _head_grad_sums = _ops.head_grad_sums.default
 _head_grad_coefficients = _ops.head_grad_coefficients.default
 _head_grad_z = _ops.head_grad_z.default
 _backward_matmul = _ops.backward_matmul.default
+_gemm_operand = _ops.gemm_operand.default
 
 
 def has_cuda_kernels() -> bool:
@@ -238,6 +240,12 @@ def backward_matmul(a: Tensor, b: Tensor, precision: str, *,
     ``out_dtype``: a's (None), or float32 for 16-bit a and b (written by the GEMM itself).
     """
     return _backward_matmul(a, b, precision, out_dtype=out_dtype)
+
+
+def gemm_operand(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)`` as a new tensor: how a head under autocast casts x and W for its GEMMs
+    (on CUDA, fp32 to bf16 / fp16 in one kernel of ours, rounded as ``Tensor.to`` rounds)."""
+    return _gemm_operand(t, dtype)
 
 
 # --------------------------------------------------------------------------- CPU kernels
@@ -454,6 +462,11 @@ def _head_grad_z_cpu(grad, out, rowdot, z, coef, a=None, c=None, *, activation=_
     return dz.to(z.dtype).contiguous()
 
 
+@torch.library.register_kernel("epifuse::gemm_operand", "cpu")
+def _gemm_operand_cpu(t, dtype):
+    return t.to(dtype, copy=True)
+
+
 @torch.library.register_kernel("epifuse::backward_matmul", "cpu")
 def _backward_matmul_cpu(a, b, precision, *, out_dtype=None):
     _checks.check_matmul(a, b, precision, "backward_matmul")
@@ -581,6 +594,12 @@ def _head_grad_z_fake(grad, out, rowdot, z, coef, a=None, c=None, *, activation=
                       negative_slope=_D.negative_slope):
     torch._check(z.dim() == 2, lambda: "z must be 2-D")
     return z.new_empty(z.shape)
+
+
+@torch.library.register_fake("epifuse::gemm_operand")
+def _gemm_operand_fake(t, dtype):
+    # Tensor.to's layout: a contiguous t's cast is contiguous, another keeps t's strides.
+    return torch.empty_like(t, dtype=dtype)
 
 
 @torch.library.register_fake("epifuse::backward_matmul")

@@ -202,6 +202,10 @@ void run_fp16_product(const Fp16Product& p, void* workspace, int device, int sm_
                       cudaStream_t stream);
 }  // namespace sm90
 
+// dst[i] = src[i] rounded to dst_dtype (bf16 or fp16) for n contiguous fp32 elements, as
+// Tensor::to rounds (narrowing_cast.cu: the 16-bit GEMM operands under autocast).
+void narrowing_cast(const float* src, void* dst, int64_t n, DType dst_dtype, cudaStream_t stream);
+
 // dst [rows, cols] (row stride ld_dst) = src^T, src [cols, rows] (row stride ld_src): dst[r, c] =
 // src[c, r]. E.g. a row-major copy of a column-major view (a K-major copy of an MN-major operand).
 void transpose(const void* src, int64_t ld_src, void* dst, int64_t ld_dst, int64_t rows,

@@ -204,8 +204,8 @@ def test_fused_chain_under_autocast_matches_eager_dtypes(amp):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_autocast_casts_x_and_w_with_the_gemm_operand_kernel(amp, training):
     """Under autocast the head casts its fp32 x and W for the GEMMs with gemm_operand's kernel, not
-    aten::to (host time on every training step): no aten::to runs in its forward, and every output
-    equals, bit for bit, the same op's on x and W cast by PyTorch beforehand."""
+    aten::to (host time on every training step): no aten::to of x or W runs in its forward, and
+    every output equals, bit for bit, the same op's on x and W cast by PyTorch beforehand."""
     dtype = AMP[amp]
     g = torch.Generator(device=CUDA).manual_seed(3)
     m, k, n = 256, 512, 384

@@ -20,6 +20,14 @@ PROBLEMS = {84: p84, 39: p39}
 FUSED_NODE = "torch::autograd::CppNode<epifuse::FusedHead>"
 
 
+def ops_run(fn, prefix: str = "") -> list[str]:
+    """The names of the ops fn ran (profiler events, nested calls from the C++ composites
+    included, each call listed), those starting with ``prefix``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name() for e in prof.profiler.kineto_results.events() if e.name().startswith(prefix)]
+
+
 @contextlib.contextmanager
 def traced_epifuse_ops():
     """The epifuse ops that ran inside the block (short names, in call order, nested included).

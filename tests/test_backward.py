@@ -19,7 +19,7 @@ from epifuse import fold, head, ops
 from epifuse.fused_head import fused_head
 from epifuse.head_config import HeadConfig
 from helpers import (DTYPE_OF, FUSED_NODE, ORACLE_TOL, float64_twin, init_args, make_pair,
-                     precision_of, rel_err, traced_epifuse_ops)
+                     ops_run, precision_of, rel_err, traced_epifuse_ops)
 
 CUDA = torch.device("cuda")
 F64 = torch.float64
@@ -232,10 +232,7 @@ def test_fused_head_ops_reject_bad_arguments():
 
 def _epifuse_ops_run(fn) -> list[str]:
     """The epifuse ops fn ran, nested calls from the C++ composites included (profiler events)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return [e.name() for e in prof.profiler.kineto_results.events()
-            if e.name().startswith("epifuse::")]
+    return ops_run(fn, "epifuse::")
 
 
 @pytest.mark.parametrize("softmax", [True, False], ids=["softmax", "plain"])

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from epifuse import fold, ops
 from epifuse.head_config import DEFAULT, HeadConfig
-from helpers import rel_err
+from helpers import ops_run, rel_err
 from op_samples import DTYPES, all_cases, op, samples
 
 CUDA = torch.device("cuda")
@@ -661,12 +661,6 @@ _CAST_SPECIALS = [float("nan"), float("inf"), -float("inf"), 7e4, -7e4, 65520.0,
                   2**-25, 3 * 2**-26, -(1 + 2**-8)]
 
 
-def _epifuse_and_aten_ops_run(fn) -> list[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return [e.name() for e in prof.profiler.kineto_results.events()]
-
-
 @pytest.mark.hopper
 @pytest.mark.parametrize("dtype_id", ["bf16", "fp16"])
 @pytest.mark.parametrize("layout", ["vectors", "tail", "misaligned"])
@@ -685,10 +679,10 @@ def test_gemm_operand_rounds_as_tensor_to(dtype_id, layout):
     t[-specials.numel():] = specials  # in the tail too
     t = t.view(-1, 1) if layout == "tail" else t.view(33, 4096)
     got = []
-    names = _epifuse_and_aten_ops_run(lambda: got.append(ops.gemm_operand(t, dtype)))
+    names = ops_run(lambda: got.append(ops.gemm_operand(t, dtype)))
     got = got[0]
     assert "epifuse::gemm_operand" in names and not any(
-        n in names for n in ("aten::to", "aten::_to_copy", "aten::copy_")), names
+        name in names for name in ("aten::to", "aten::_to_copy", "aten::copy_")), names
     want = t.to(dtype)
     assert (got.dtype, got.shape, got.is_contiguous()) == (dtype, t.shape, True)
     nan = torch.isnan(want)

@@ -778,13 +778,12 @@ at::Tensor backward_matmul_cuda(const at::Tensor& a, const at::Tensor& b,
   return out;
 }
 
-}  // namespace
-
 // The op over to_gemm_dtype (op_args.h): always a new tensor, as the schema says.
 at::Tensor gemm_operand_cuda(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t.clone() : to_gemm_dtype(t, dtype);
 }
 
+}  // namespace
 }  // namespace epifuse
 
 TORCH_LIBRARY(epifuse, m) {

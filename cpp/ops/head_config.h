@@ -1,7 +1,7 @@
 // epifuse::HeadConfig: a head's settings, the one description of them across the op boundary.
 //
 // Every head op takes its tensors positionally and its settings keyword-only with defaults,
-// e.g. fused_head(Tensor x, ..., Tensor running_var, *, str precision='3xtf32', ...). The table
+// e.g. fused_head(Tensor x, ..., Tensor(c!)? num_batches_tracked, *, str precision='3xtf32', ...). The table
 // below is the only place a setting is named: it generates
 //   * the HeadConfig struct (one member per row),
 //   * the keyword section of the fused_head / fused_head_backward schemas (head_schema_kwargs()),
@@ -43,13 +43,12 @@ using OptDType = std::optional<at::ScalarType>;
   X(softmax,         bool,                  bool,                  "bool",   "False")              \
   /* The activation after the per-column affine (and a scale after BatchNorm), before the        \
      softmax: '' (none), 'relu', 'leaky_relu', 'gelu', 'gelu_tanh' (GELU approximate='tanh') or  \
-     'silu' (activation_from_name() in epifuse/activation.h names them). */                       \
+     'silu' (activation_from_name() in op_args.cpp names them). */                       \
   X(activation,      std::string,           c10::string_view,      "str",    "''")                 \
   /* LeakyReLU's slope for negative inputs (its default); the other activations ignore it. */      \
   X(negative_slope,  double,                double,                "float",  "0.01")               \
   /* BatchNorm's momentum for the running-statistics update (None: cumulative average, as        \
-     nn.BatchNorm1d). fused_head is functional and leaves that update to its caller (head.py),   \
-     which passes this value to bn_fold_train; the op itself carries it unused. */                 \
+     nn.BatchNorm1d), which fused_head makes in training when given num_batches_tracked. */      \
   X(momentum,        std::optional<double>, std::optional<double>, "float?", "0.1")                \
   /* BatchNorm's eps (added to the variance). */                                                   \
   X(eps,             double,                double,                "float",  "1e-05")              \
@@ -72,8 +71,8 @@ using OptDType = std::optional<at::ScalarType>;
      The autograd kernel sets x's dtype, which dX must have (an fp32 x under autocast). */        \
   X(grad_x_dtype,    OptDType,              OptDType,              "ScalarType?", "None")         \
   /* The output may be differentiated: fused_head returns z and the statistics for a backward.    \
-     False (no_grad, inference): an eval head runs its layer as one GEMM with the fold and the    \
-     activation in the epilogue and returns z, the column sums and the moments empty. */          \
+     False (no_grad, inference): nothing is kept (an eval head's layer is one GEMM with the fold  \
+     and activation in its epilogue; a training head's pass overwrites z); the rest is empty. */  \
   X(for_backward,    bool,                  bool,                  "bool",   "True")
 // clang-format on
 

@@ -1,7 +1,9 @@
 // The argument checks shared by the op files (op_args.h says what each does).
 #include "op_args.h"
 
+#include <algorithm>
 #include <array>
+#include <iterator>
 
 namespace epifuse {
 
@@ -17,13 +19,105 @@ DType to_dtype(const at::Tensor& t, const char* op) {
   return DType::kFloat32;  // unreachable
 }
 
-void check_cuda(const at::Tensor& t, const char* op, const char* name, const at::Tensor& ref) {
-  EPIFUSE_CHECK(t.is_cuda(), "epifuse::", op, ": expected ", name, " to be a CUDA tensor, got ",
-              t.device());
+void check_device(const at::Tensor& t, const char* op, const char* name, const at::Tensor& ref) {
   EPIFUSE_CHECK(t.device() == ref.device(),
               "Expected all tensors to be on the same device, but found at least two devices, ",
               ref.device(), " and ", t.device(), "! (epifuse::", op, ", argument ", name, ")");
 }
+
+// ---- settings -------------------------------------------------------------------------------
+
+namespace {
+
+// The fp32 GEMM precisions, the one place that names them.
+constexpr std::pair<const char*, MathMode> kPrecisions[] = {
+    {"ieee", MathMode::kIEEE}, {"3xtf32", MathMode::k3xTF32}, {"tf32", MathMode::kTF32}};
+
+// "'ieee', '3xtf32' or 'tf32'", or with `last` as the last choice.
+std::string quoted_precisions(const char* last = nullptr) {
+  std::string out;
+  const size_t n = std::size(kPrecisions);
+  for (size_t i = 0; i < n; ++i) {
+    out += i == 0 ? "" : (i + 1 == n && last == nullptr ? " or " : ", ");
+    out = out + "'" + kPrecisions[i].first + "'";
+  }
+  return last != nullptr ? out + " or " + last : out;
+}
+
+// HeadConfig's activation names, the one place that spells them (python/epifuse/fold.py's
+// ACTIVATIONS lists the same, in this order; tests check they agree).
+constexpr std::pair<const char*, ActivationKind> kActivations[] = {
+    {"", ActivationKind::kNone},                {"relu", ActivationKind::kReLU},
+    {"leaky_relu", ActivationKind::kLeakyReLU}, {"gelu", ActivationKind::kGELU},
+    {"gelu_tanh", ActivationKind::kGELUTanh},   {"silu", ActivationKind::kSiLU}};
+
+}  // namespace
+
+std::vector<std::string> precision_names() {
+  std::vector<std::string> names;
+  for (const auto& entry : kPrecisions) names.emplace_back(entry.first);
+  return names;
+}
+
+MathMode math_mode(const std::string& precision, DType dtype, const char* op) {
+  const auto* known = std::find_if(std::begin(kPrecisions), std::end(kPrecisions),
+                                   [&](const auto& entry) { return precision == entry.first; });
+  EPIFUSE_CHECK_VALUE(known != std::end(kPrecisions) || precision.empty(), "epifuse::", op,
+                      ": precision must be ", quoted_precisions("'' (16-bit inputs)"), ", got '",
+                      precision, "'");
+  if (dtype != DType::kFloat32) return MathMode::kNative;
+  EPIFUSE_CHECK_VALUE(!precision.empty(), "epifuse::", op, ": float32 inputs need precision ",
+                      quoted_precisions());
+  return known->second;
+}
+
+Activation activation_from_name(c10::string_view name, double negative_slope, const char* op) {
+  for (const auto& entry : kActivations) {
+    if (name == entry.first) return Activation{entry.second, float(negative_slope)};
+  }
+  EPIFUSE_CHECK_VALUE(false, "epifuse::", op, ": unknown activation '", std::string(name),
+                      "' (expected '', 'relu', 'leaky_relu', 'gelu', 'gelu_tanh' or 'silu')");
+  return {};
+}
+
+// ---- shared tensor checks ---------------------------------------------------------------------
+
+at::Tensor column_vector(const at::Tensor& v, int64_t n, const char* op, const char* name,
+                         const at::Tensor& ref) {
+  check_device(v, op, name, ref);
+  EPIFUSE_CHECK(v.scalar_type() == at::kFloat, "epifuse::", op, ": expected ", name,
+                " to be float32, got ", v.scalar_type());
+  EPIFUSE_CHECK(v.dim() == 1 && v.size(0) == n, "epifuse::", op, ": expected ", name,
+                " of shape [", n, "], got ", v.sizes());
+  return v.contiguous();
+}
+
+void check_matrix(const at::Tensor& z, const char* op) {
+  EPIFUSE_CHECK(z.dim() == 2, "epifuse::", op, ": expected a 2-D tensor, got ", z.dim(), "-D");
+  to_dtype(z, op);
+}
+
+void check_gemm_operands(const at::Tensor& x, const at::Tensor& w, const std::string& precision,
+                         const char* op) {
+  EPIFUSE_CHECK(x.dim() == 2, "epifuse::", op, ": expected x to be 2-D [M, K], got ", x.dim(),
+                "-D");
+  EPIFUSE_CHECK(w.dim() == 2, "epifuse::", op, ": expected weight to be 2-D [N, K], got ",
+                w.dim(), "-D");
+  check_device(w, op, "weight", x);
+  EPIFUSE_CHECK(x.scalar_type() == w.scalar_type(),
+                "mat1 and mat2 must have the same dtype, but got ", x.scalar_type(), " and ",
+                w.scalar_type());
+  EPIFUSE_CHECK(x.size(1) == w.size(1), "mat1 and mat2 shapes cannot be multiplied (", x.size(0),
+                "x", x.size(1), " and ", w.size(1), "x", w.size(0), ")");
+  math_mode(precision, to_dtype(x, op), op);
+}
+
+at::Tensor rows_with_unit_stride(const at::Tensor& t) {
+  const bool ok = t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(t.size(1), 1);
+  return ok ? t : t.contiguous();
+}
+
+// ---- devices ----------------------------------------------------------------------------------
 
 std::pair<int, int> compute_capability(int device) {
   static std::array<std::pair<int, int>, 128> cache{};  // benign race: writers agree
@@ -85,7 +179,7 @@ at::Tensor to_gemm_dtype(const at::Tensor& t, at::ScalarType dtype) {
 
 void check_fold_param(const at::Tensor& t, const char* name, bool scale, int64_t N,
                       const at::Tensor& like, const char* like_name, const char* op) {
-  check_cuda(t, op, name, like);
+  check_device(t, op, name, like);
   EPIFUSE_CHECK(t.scalar_type() == like.scalar_type(), "epifuse::", op, ": expected ", name,
                 " to have dtype ", like.scalar_type(), " like ", like_name, ", got ", t.scalar_type());
   EPIFUSE_CHECK(t.is_contiguous(), "epifuse::", op, ": expected ", name, " to be contiguous");
@@ -139,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor> fold_outputs(const at::Tensor& gamma, FoldPro
 
 void check_sums(const at::Tensor& t, const char* name, int64_t numel, const at::Tensor& ref,
                 const char* op) {
-  check_cuda(t, op, name, ref);
+  check_device(t, op, name, ref);
   EPIFUSE_CHECK(t.scalar_type() == at::kDouble && t.is_contiguous() && t.dim() == 1 &&
                     t.size(0) == numel,
                 "epifuse::", op, ": expected ", name, " to be a contiguous float64 [", numel,

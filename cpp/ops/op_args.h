@@ -1,6 +1,10 @@
-// Argument checks and error messages shared by the op files (ops.cpp, synced_stats.cpp): they
-// validate an op's tensors the way PyTorch's own ops do (same exception types, messages naming the
-// argument) into the launchers' structs of epifuse/kernels.h.
+// Argument checks and error messages shared by the op files (gemm.cpp, fold.cpp, apply.cpp,
+// backward.cpp, synced.cpp, head.cpp): they validate an op's tensors the way PyTorch's own ops do
+// (same exception types, messages naming the argument) into the launchers' structs of
+// epifuse/kernels.h.
+//
+// The checks are the only ones: they hold for every device. An op checks its arguments first, then
+// runs its CUDA kernels, or, for CPU tensors, the float64 reference (EPIFUSE_REFERENCE, dispatch.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +13,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <optional>
+#include <vector>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -48,8 +53,38 @@ std::string cat(const Pieces&... pieces) {
 // The kernels' dtype of a tensor (Float, Half or BFloat16; anything else: "not implemented").
 DType to_dtype(const at::Tensor& t, const char* op);
 
-// t (argument `name` of `op`) is a CUDA tensor on ref's device.
-void check_cuda(const at::Tensor& t, const char* op, const char* name, const at::Tensor& ref);
+// t (argument `name` of `op`) is on ref's device (a CUDA or a CPU tensor).
+void check_device(const at::Tensor& t, const char* op, const char* name, const at::Tensor& ref);
+
+// ---- settings -------------------------------------------------------------------------------
+
+// The fp32 GEMM precisions the ops take ("ieee", "3xtf32", "tf32"), in the order
+// epifuse::precision_names lists them (python/epifuse/precision.py reads them from there).
+std::vector<std::string> precision_names();
+
+// The GEMMs' math for `precision` and operands of `dtype` (16-bit: their native MMA, whatever the
+// precision; float32: the precision, which must be one of precision_names()).
+MathMode math_mode(const std::string& precision, DType dtype, const char* op);
+
+// HeadConfig's activation by name ('', 'relu', 'leaky_relu', 'gelu', 'gelu_tanh', 'silu').
+Activation activation_from_name(c10::string_view name, double negative_slope, const char* op);
+
+// ---- shared tensor checks ---------------------------------------------------------------------
+
+// A per-column fp32 vector of length n on ref's device, contiguous (a copy only for a view).
+at::Tensor column_vector(const at::Tensor& v, int64_t n, const char* op, const char* name,
+                         const at::Tensor& ref);
+
+// A 2-D tensor in a kernel dtype (the row passes' z).
+void check_matrix(const at::Tensor& z, const char* op);
+
+// The product x [M, K] . w [N, K]^T: 2-D operands on one device, of one kernel dtype, agreeing on
+// K, and a precision the dtype takes (at::mm's messages for the dtype and shape mismatches).
+void check_gemm_operands(const at::Tensor& x, const at::Tensor& w, const std::string& precision,
+                         const char* op);
+
+// Row-major with unit column stride: what the kernels take without a copy.
+at::Tensor rows_with_unit_stride(const at::Tensor& t);
 
 // Compute capability of a device, queried once (the kernels dispatch on it).
 std::pair<int, int> compute_capability(int device);
@@ -84,11 +119,12 @@ void check_fold_param(const at::Tensor& t, const char* name, bool scale, int64_t
                       const at::Tensor& like, const char* like_name, const char* op);
 
 // Validates the parameter vectors (one dtype, on one device, contiguous) into a FoldProblem.
+// (Its pointers are bound for any device; only a CUDA op launches with them.)
 FoldProblem prepare_fold(const std::optional<at::Tensor>& bias, const at::Tensor& gamma,
                          const at::Tensor& beta, const std::optional<at::Tensor>& pre_scale,
                          const std::optional<at::Tensor>& post_scale, double eps, const char* op);
 
-// The fold's outputs (a, c: float32 [N] on gamma's device), bound into f.
+// The fold's outputs (a, c: float32 [N] on gamma's CUDA device), bound into f.
 std::tuple<at::Tensor, at::Tensor> fold_outputs(const at::Tensor& gamma, FoldProblem& f);
 
 // An in-place op's input `read_name` shares no memory with the tensor it writes: a kernel reading

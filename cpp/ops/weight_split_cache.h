@@ -15,7 +15,7 @@
 // Only a layer's weight as the caller passed it is looked up here. A view made inside an op, below
 // autograd's ADInplaceOrView key, gets a version counter of its own that no write to its base bumps:
 // the backward's products (W^T for dX, x^T for dW) are such views, and keeping their splits
-// returned stale gradients after the first optimizer step; they never keep (ops.cpp,
+// returned stale gradients after the first optimizer step; they never keep (gemm_runner.h,
 // WeightSplit).
 // Streams: an operand is made on the caller's stream; a caller on another stream waits for it (an
 // event recorded after it was made) and the allocator is told that stream uses it (record_stream),

@@ -10,7 +10,7 @@ from ._library import load_library
 
 load_library()
 
-from . import fold, ops, precision, synced_ops  # noqa: E402  (ops need the library loaded)
+from . import fold, ops, precision  # noqa: E402  (ops need the library loaded)
 from . import distributed, head, problems  # noqa: E402
 from .distributed import convert_sync_batchnorm  # noqa: E402
 from .functional import softmax  # noqa: E402

@@ -4,12 +4,11 @@ With ``sync_batchnorm=True`` (or after ``convert_sync_batchnorm``) a head in
 training mode normalizes with the statistics of the union of all ranks'
 batches, as ``nn.SyncBatchNorm`` does:
 
-  fused:     epifuse::fused_head (cpp/ops/fused_head.cpp) with the group's name: gemm_colstats
+  fused:     epifuse::fused_head (cpp/ops/head.cpp) with the group's name: gemm_colstats
              -> pack_moments (local count, mean, M2 of u) -> all_gather -> merge_fold (merge
-             and fold in one kernel) -> affine[_softmax]; running-stat update (global count on
-             device) by head.py. The synced_batch_fold hook between the GEMM and the apply pass
-             is C++ on CUDA (cpp/ops/synced_hooks.cpp: no Python there), Python on CPU
-             (fused_head.py), both over the ops of synced_ops.py.
+             and fold in one kernel) -> update_running_stats (global count on device)
+             -> affine[_softmax]. The synced_batch_fold hook between the GEMM and the apply
+             pass is C++ on every device (cpp/ops/synced.cpp: no Python there).
   reference: linear (-> scale) -> the same local moments -> all_gather -> merge
              -> normalize (-> scale) (-> softmax), in plain PyTorch ops
 
@@ -27,7 +26,7 @@ the sums of dy and dy·yhat, dy the gradient at BatchNorm's output (nn.SyncBatch
 sums of dy and dy·(u - mean), the latter times invstd), and the row count; each rank
 then scales the batch terms by its own BatchNorm weight, as nn.SyncBatchNorm does.
 The fused backward (fused_head_backward, via the synced_grad_sums hook: the
-normalized_grad_sums op, then the all_reduce, from C++ on CUDA) forms the row from its column
+normalized_grad_sums op, then the all_reduce, from C++) forms the row from its column
 sums, the reference path (``_SyncedNormalize``) from its own.
 
 Every rank issues the same collectives in the same order whichever path it
@@ -174,7 +173,7 @@ def gather_moments(row: Tensor, group: "dist.ProcessGroup") -> Tensor:
     """All ranks' rows, [world_size, 2N + 1], in rank order (on the current stream).
 
     Through the functional all_gather that the fused path's CUDA kernel issues from C++
-    (cpp/ops/synced_hooks.cpp), so that a rank on the reference path makes the very collective
+    (cpp/ops/synced.cpp), so that a rank on the reference path makes the very collective
     call of its fused peers (c10d's allgather_into_tensor_coalesced; dist.all_gather_into_tensor
     would be _allgather_base), on every backend.
     """

@@ -117,7 +117,7 @@ def fold_eval(bias: Optional[Tensor], gamma: Tensor, beta: Tensor,
 # --------------------------------------------------------------------------- activation
 #
 # The head's activation acts on h = a * z + c (after a scale after BatchNorm), before the softmax.
-# Names as HeadConfig's (cpp/ops/ops.cpp, kActivations, in this order); float64 as everything here.
+# Names as HeadConfig's (cpp/ops/op_args.cpp, kActivations, in this order); float64 as everything here.
 
 ACTIVATIONS = ("", "relu", "leaky_relu", "gelu", "gelu_tanh", "silu")
 

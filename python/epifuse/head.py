@@ -6,17 +6,14 @@ A "head" module has the attributes of the reference models: ``gemm``
 (sm_80 and later; Hopper gets the TMA/wgmma kernels) the forward runs the
 epifuse ops:
 
-  no autograd   train: gemm_colstats -> bn_fold_train (updates running stats) -> affine[_softmax]_
-                       (the activation, if any, inside the last pass)
-                eval:  bn_fold_eval -> gemm_affine (the activation in its epilogue; with a
-                       softmax, the in-place [activation +] softmax instead)
-                (in place, nothing saved)
-  autograd or   the differentiable op epifuse::fused_head (cpp/ops/fused_head.cpp: out of place, saves z
-  synchronized  for its fused backward), then update_running_stats from the moments it folded
-  statistics    with (one fold per step)
+  one call of the op epifuse::fused_head (cpp/ops/head.cpp), the one sequencer of the passes:
+  the GEMM with its epilogue, the fold (updating the running statistics in training), the
+  activation and softmax pass, in place when no backward will read z; its C++ autograd node runs
+  the fused backward (fused_head_backward).
 
 Anything else runs the reference module sequence, so results (and PyTorch's
-own error messages for bad input) are those of the reference model.
+own error messages for bad input) are those of the reference model; on a CUDA input the head
+says so once per reason on the "epifuse" logger, or raises if it is strict (_fall_back).
 
 The settings travel as one ``HeadConfig`` (head_config.py): the model's spec gives where the
 scale sits, the activation after it and whether a softmax ends the head, each forward adds the
@@ -27,6 +24,7 @@ keyword arguments.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Callable, NamedTuple, Optional
 
@@ -36,8 +34,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import distributed, fold, ops
-from .fused_head import fused_head
-from .head_config import HeadConfig, split_scale
+from .head_config import HeadConfig
 from .precision import resolve_precision
 
 # Read once: the NVTX ranges cost nothing unless asked for at import time.
@@ -50,6 +47,13 @@ def _range(name: str):
 
 
 _FAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Where a head says that it runs its unfused modules on a CUDA input (_fall_back).
+_LOG = logging.getLogger("epifuse")
+
+# The op: fused_head(x, weight, bias, gamma, beta, scale, running_mean, running_var,
+# num_batches_tracked, **HeadConfig.kwargs()) -> (out, z, colsum, colsumsq, moments, a, c).
+_fused_head = torch.ops.epifuse.fused_head.default
 
 
 # A model's spec: a HeadConfig of which the model sets where the ``scale`` sits, the activation
@@ -253,6 +257,9 @@ def _reason(parts: _Parts, x: Tensor) -> Optional[str]:
         return "BatchNorm has a weight without a bias or a bias without a weight"
     if (parts.running_mean is None) != (parts.running_var is None):
         return "BatchNorm has one running statistic without the other"
+    if (parts.running_mean is not None and bn.track_running_stats
+            and parts.num_batches_tracked is None and _batch_statistics(parts)):
+        return "BatchNorm tracks running statistics without a num_batches_tracked buffer"
     n = gemm.out_features
     if bn.num_features != n:
         return f"BatchNorm has {bn.num_features} features, gemm has {n}"
@@ -314,58 +321,65 @@ def _bn_defaults(parts: _Parts) -> _Parts:
     return parts
 
 
+def _head_name(module: nn.Module) -> str:
+    where = module.__dict__.get("where")
+    return f"head {where}" if where else f"{type(module).__name__} head"
+
+
+def _fall_back(module: nn.Module, x: Tensor, reason: str) -> None:
+    """A head about to run its unfused modules: on a CUDA input, a warning on the "epifuse" logger
+    once per head and reason, or, for a strict head (``epifuse.fuse(model, strict=True)``, or
+    ``head.strict = True``), a RuntimeError naming the reason. Elsewhere (CPU) nothing: the fused
+    kernels are CUDA's."""
+    if not (isinstance(x, Tensor) and x.is_cuda):
+        return
+    if getattr(module, "strict", False):
+        raise RuntimeError(f"epifuse: {_head_name(module)} cannot run fused: {reason} "
+                           f"(strict head; clear `strict` to run the unfused modules instead)")
+    seen = module.__dict__.setdefault("_epifuse_fallbacks", set())
+    if reason not in seen:
+        seen.add(reason)
+        _LOG.warning("epifuse: %s runs its unfused modules: %s", _head_name(module), reason)
+
+
 def run_head(module: nn.Module, x: Tensor, spec: HeadConfig,
              reference: Callable[[nn.Module, Tensor], Tensor]) -> Tensor:
-    """Forward of a head module: fused on supported inputs, ``reference(module, x)`` otherwise."""
+    """Forward of a head module: fused on supported inputs, ``reference(module, x)`` otherwise.
+
+    Fused, it is one call of ``epifuse::fused_head`` (cpp/ops/head.cpp), which sequences the
+    passes for every mode (training, eval, for a backward or not, synchronized) and updates the
+    running statistics; this function only decides and gathers the head's tensors and settings.
+    """
     parts = _parts(module)
     # Synchronized batch statistics in data-parallel training (None: not synchronized).
     group = distributed.sync_group(module, parts.bn)
-    if _reason(parts, x) is not None:
+    reason = _reason(parts, x)
+    if reason is not None:
+        _fall_back(module, x, reason)
         if group is None or not isinstance(parts.bn, _BatchNorm):
             return reference(module, x)  # (no batch statistics to synchronize without a BatchNorm)
         return _synced_reference(module, x, spec, group)
-    bn = parts.bn
+    training = _batch_statistics(parts)
     # BatchNorm's rule: running statistics are updated in training only while track_running_stats
     # is set (a flag people clear on a trained BatchNorm to freeze its statistics; the buffers stay).
-    tracks_running_stats = parts.running_mean is not None and bn.track_running_stats
+    # The op updates them when given num_batches_tracked.
+    updates = training and parts.running_mean is not None and parts.bn.track_running_stats
     # (A stand-in for an absent parameter, _bn_defaults' below, never requires grad.)
     for_backward = torch.is_grad_enabled() and (
         x.requires_grad or parts.weight.requires_grad or parts.scale.requires_grad
         or any(p is not None and p.requires_grad for p in (parts.bias, parts.gamma, parts.beta)))
-    config = HeadConfig(precision=resolve_precision(module.precision, x.dtype),
-                        training=_batch_statistics(parts), scale_before_bn=spec.scale_before_bn,
-                        softmax=spec.softmax, activation=spec.activation,
-                        negative_slope=spec.negative_slope, momentum=bn.momentum, eps=bn.eps,
+    bn = parts.bn
+    config = HeadConfig(precision=resolve_precision(module.precision, x.dtype), training=training,
+                        scale_before_bn=spec.scale_before_bn, softmax=spec.softmax,
+                        activation=spec.activation, negative_slope=spec.negative_slope,
+                        momentum=bn.momentum, eps=bn.eps,
                         group_name="" if group is None else group.group_name,
                         has_scale=spec.has_scale, for_backward=for_backward)
-    parts = _bn_defaults(parts)
-    # Under CUDA autocast the head runs epifuse::fused_head, whose AutocastCUDA kernel picks the
-    # GEMMs' 16-bit dtype and the output dtype (the in-place ops below have no autocast kernel);
-    # without a backward to feed, its eval form is one GEMM with the fold in its epilogue.
-    if group is None and not torch.is_autocast_enabled("cuda") and not for_backward:
-        return _fused_forward(x, parts, config, tracks_running_stats)
-    return _differentiable_forward(x, parts, config, tracks_running_stats)
-
-
-# --------------------------------------------------------------------------- differentiable forward
-
-def _differentiable_forward(x: Tensor, parts: _Parts, config: HeadConfig,
-                            update_running_stats: bool) -> Tensor:
-    """epifuse::fused_head, then the running-statistics update it leaves to its caller."""
-    p = parts
+    p = _bn_defaults(parts)
     with _range("epifuse.fused_head"):
-        out, _, _, _, moments, _, _ = fused_head(
-            x, p.weight, p.bias, p.gamma, p.beta, p.scale, p.running_mean, p.running_var,
-            **config.kwargs())
-    if config.training and update_running_stats:
-        # From the moments the op folded with (the batch's, or all ranks' merged ones, whose count
-        # stays on the device): one kernel, no second fold.
-        # (No torch.no_grad: nothing here requires grad, moments is not differentiable, and the
-        # context cost a head ~3 us of host time per forward.)
-        with _range("epifuse.running_stats"):
-            ops.update_running_stats(moments, p.running_mean, p.running_var,
-                                     p.num_batches_tracked, momentum=config.momentum)
-    return out
+        return _fused_head(x, p.weight, p.bias, p.gamma, p.beta, p.scale, p.running_mean,
+                           p.running_var, p.num_batches_tracked if updates else None,
+                           **config.kwargs())[0]
 
 
 def _synced_reference(module: nn.Module, x: Tensor, spec: HeadConfig, group) -> Tensor:
@@ -404,49 +418,6 @@ def _call_computing(module: nn.Module, forward: Callable[[Tensor], Tensor], x: T
             del module.forward
         else:
             module.forward = own
-
-
-# --------------------------------------------------------------------------- fused forward
-
-def _fused_forward(x: Tensor, parts: _Parts, config: HeadConfig,
-                   update_running_stats: bool) -> Tensor:
-    p = parts
-    pre, post = split_scale(config, p.scale)
-    if config.training:
-        with _range("epifuse.gemm"):
-            z, colsum, colsumsq = ops.gemm_colstats(x, p.weight, config.precision)
-        with _range("epifuse.fold"):
-            if update_running_stats:
-                a, c = ops.bn_fold_train(colsum, colsumsq, x.shape[0], p.bias, p.gamma, p.beta,
-                                         pre, post, p.running_mean, p.running_var,
-                                         p.num_batches_tracked, momentum=config.momentum,
-                                         eps=config.eps)
-            else:
-                a, c, _ = ops.bn_fold_batch(colsum, colsumsq, x.shape[0], p.bias, p.gamma,
-                                            p.beta, pre, post, eps=config.eps)
-        if config.softmax:
-            with _range("epifuse.softmax"):
-                ops.affine_softmax_(z, a, c, activation=config.activation,
-                                    negative_slope=config.negative_slope)
-        else:
-            with _range("epifuse.affine"):
-                ops.affine_(z, a, c, activation=config.activation,
-                            negative_slope=config.negative_slope)
-        return z
-    with _range("epifuse.fold"):
-        a, c = ops.bn_fold_eval(p.bias, p.gamma, p.beta, pre, post, p.running_mean,
-                                p.running_var, eps=config.eps)
-    with _range("epifuse.gemm"):
-        # The activation inside the GEMM's epilogue (one kernel for the layer), except before a
-        # softmax: that pass applies it.
-        activation = "" if config.softmax else config.activation
-        y = ops.gemm_affine(x, p.weight, a, c, config.precision, activation=activation,
-                            negative_slope=config.negative_slope)
-    if config.softmax:
-        with _range("epifuse.softmax"):
-            ops.affine_softmax_(y, None, None, activation=config.activation,
-                                negative_slope=config.negative_slope)
-    return y
 
 
 def reference_head(x, weight, bias, gamma, beta, scale, running_mean, running_var,

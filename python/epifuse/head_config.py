@@ -1,7 +1,8 @@
 """``HeadConfig``: a head's settings, as the head ops take them (keyword-only, with defaults).
 
 The ops take their tensors positionally and their settings as keywords, e.g.
-``fused_head(x, weight, bias, gamma, beta, scale, running_mean, running_var, **config.kwargs())``;
+``fused_head(x, weight, bias, gamma, beta, scale, running_mean, running_var, num_batches_tracked,
+**config.kwargs())``;
 the per-pass ops take the few they use (``bn_fold_train(..., momentum=..., eps=...)``).
 
 The settings' one table on the C++ side is ``cpp/ops/head_config.h`` (``EPIFUSE_HEAD_CONFIG``): it
@@ -41,9 +42,8 @@ class HeadConfig(NamedTuple):
     activation: str = ""
     # LeakyReLU's slope for negative inputs (its default); the other activations ignore it.
     negative_slope: float = 0.01
-    # BatchNorm's momentum for the running-statistics update (None: cumulative average). The
-    # functional fused_head carries it unused; head.py passes it to bn_fold_train (no autograd)
-    # or update_running_stats (after fused_head).
+    # BatchNorm's momentum for the running-statistics update (None: cumulative average), which
+    # fused_head makes in training when given num_batches_tracked.
     momentum: Optional[float] = 0.1
     # BatchNorm's eps.
     eps: float = 1e-5
@@ -65,8 +65,9 @@ class HeadConfig(NamedTuple):
     # The autograd sets x's dtype (an fp32 x under autocast).
     grad_x_dtype: Optional[torch.dtype] = None
     # The output may be differentiated: fused_head returns z and the statistics for a backward.
-    # False (no_grad, inference): an eval head runs its layer as one GEMM with the fold and the
-    # activation in the epilogue, and fused_head returns z, colsum, colsumsq and moments empty.
+    # False (no_grad, inference): nothing is kept (an eval head runs its layer as one GEMM with
+    # the fold and the activation in the epilogue; a training head's last pass overwrites z), and
+    # fused_head returns the output alone, the rest empty.
     for_backward: bool = True
 
     def kwargs(self) -> dict[str, Any]:
@@ -80,11 +81,3 @@ class HeadConfig(NamedTuple):
 
 
 DEFAULT = HeadConfig()
-
-
-def split_scale(config: HeadConfig, scale):
-    """(pre_scale, post_scale) as the fold ops take them: the scale on its side of BatchNorm, or
-    neither for a head without one (its stand-in is not read: the fold multiplies by nothing)."""
-    if not config.has_scale:
-        return None, None
-    return (scale, None) if config.scale_before_bn else (None, scale)

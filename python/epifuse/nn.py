@@ -151,7 +151,13 @@ class HeadModule(NotScriptable, nn.Module):
     head has none, which the ops do not read) and ``has_scale``. The
     activation is kept by name (``activation``, '' for none, and ``negative_slope``),
     not as a module: the activations hold no state.
+
+    ``strict``: where the fused kernels do not cover a CUDA input, raise (True) instead of running
+    the unfused modules with a warning on the "epifuse" logger (``epifuse.fuse(..., strict=True)``
+    sets it on every head it makes).
     """
+
+    strict: bool = False
 
     def _configure(self, scale_position: str, softmax_dim: Optional[int],
                    precision: Optional[str], activation: str = "",

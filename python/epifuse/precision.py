@@ -1,7 +1,7 @@
 """fp32 GEMM precision policy.
 
 The ops take a precision string. The names are defined once, by the op library
-(``torch.ops.epifuse.precision_names()``, cpp/ops/ops.cpp); this module binds
+(``torch.ops.epifuse.precision_names()``, cpp/ops/op_args.cpp); this module binds
 them to the constants below and maps the user-facing spellings onto them:
 
 * ``"3xtf32"``: fp32 accuracy on the tensor cores. Each fp32 operand is split

@@ -1,7 +1,7 @@
 // epifuse kernel API, synchronized batch statistics (data-parallel BatchNorm): the per-rank row a
 // forward all-gathers, the merge of all ranks' rows with the fold, and the row a backward
 // all-reduces. The op layer runs the collectives between these launchers
-// (cpp/ops/synced_hooks.cpp).
+// (cpp/ops/synced.cpp).
 //
 // Torch-free like kernels.h (raw pointers, sizes, a cudaStream_t), and apart from it so that adding
 // these kernels leaves the CUTLASS translation units, which include kernels.h, alone.

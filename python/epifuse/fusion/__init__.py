@@ -144,7 +144,8 @@ def _fuse(module: nn.Module, path: str, precision: Optional[str], report: FuseRe
         _fuse(child, f"{path}.{name}" if path else name, precision, report)
 
 
-def fuse(model: nn.Module, *, precision: Optional[str] = None) -> tuple[nn.Module, FuseReport]:
+def fuse(model: nn.Module, *, precision: Optional[str] = None,
+         strict: bool = False) -> tuple[nn.Module, FuseReport]:
     """Fuse every ``Linear -> BatchNorm1d [-> scale] [-> activation] [-> softmax]`` chain of
     ``model``, in place.
 
@@ -164,6 +165,11 @@ def fuse(model: nn.Module, *, precision: Optional[str] = None) -> tuple[nn.Modul
     listing the chains fused and the near misses left with their reason.
     ``precision`` is the fp32 GEMM policy of the fused heads (as ``ModelNew``'s).
 
+    A fused head runs the unfused modules for inputs the kernels do not cover (CPU tensors, an
+    unsupported dtype, a module hook, ...). On a CUDA input it says so once per head and reason on
+    the ``"epifuse"`` logger (``logging.getLogger("epifuse")``); with ``strict=True`` it raises a
+    RuntimeError naming the reason instead (``head.strict`` sets it per head).
+
     The fused forward is ``torch.fx``'s trace of the original one: Python-level
     branches (``if self.training:``, flags) are fixed as they were at fuse time,
     as with any fx transform. Fuse again after changing the model's structure.
@@ -175,6 +181,10 @@ def fuse(model: nn.Module, *, precision: Optional[str] = None) -> tuple[nn.Modul
     precision = validate_precision(precision)
     report = FuseReport()
     _fuse(model, "", precision, report)
+    if strict:
+        for module in model.modules():
+            for head in module.__dict__.get(HEADS_ATTR, ()):
+                head.strict = True
     return model, report
 
 

@@ -1,0 +1,52 @@
+// The head's sequence as functions, shared by its ops (head.cpp) and their autograd and autocast
+// kernels (head_autograd.cpp), which run the backward's steps themselves under autocast.
+#pragma once
+
+#include <utility>
+
+#include "head_config.h"
+#include "ops.h"
+
+namespace epifuse::ops {
+
+// Problem 39's scale multiplies BatchNorm's input, problem 84's its output: (pre_scale, post_scale).
+// A head without a scale (has_scale false) passes neither: its `scale` is a stand-in that nothing
+// reads, so the fold multiplies by nothing and the backward skips a one-element scale's gradient
+// (a sum over every column: scratch, a memset and a last-block reduction per backward).
+std::pair<OptTensor, OptTensor> scales(const Tensor& scale, const HeadConfig& cfg);
+
+// x or W as the GEMMs read them: cast to cfg.gemm_dtype (autocast), or as they are. The weight's
+// 16-bit cast is kept while the weight is unchanged (weight_split_cache.h).
+Tensor gemm_input(const Tensor& x, const HeadConfig& cfg);
+Tensor gemm_weight(const Tensor& w, const HeadConfig& cfg);
+
+// fused_head with its settings parsed.
+Tensor7 fused_head_forward(const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                           const Tensor& gamma, const Tensor& beta, const Tensor& scale,
+                           const Tensor& running_mean, const Tensor& running_var,
+                           const OptTensor& num_batches_tracked, const HeadConfig& cfg);
+
+// The backward up to dz = d loss / d z: the [N] parameter gradients (one kernel computes them all)
+// and dz itself where dX or dW is needed (else undefined).
+struct HeadGradZ {
+  Tensor dz, bias, gamma, beta, scale;
+};
+
+HeadGradZ head_backward_to_dz(const Tensor& grad, const OptTensor& bias, const Tensor& gamma,
+                              const Tensor& beta, const Tensor& scale, const Tensor& z,
+                              const OptTensor& out, const OptTensor& colsum,
+                              const OptTensor& colsumsq, const Tensor& moments, Needs needs,
+                              const OptTensor& fold_a, const OptTensor& fold_c,
+                              const HeadConfig& cfg);
+
+// The backward's GEMMs from dz: dX (in grad_x_dtype where the GEMM can write it: fp32 from 16-bit
+// operands) and dW (in the parameters' dtype).
+Tensor backward_dx(const Tensor& dz, const Tensor& weight, const HeadConfig& cfg);
+Tensor backward_dw(const Tensor& dz, const Tensor& x, at::ScalarType param_dtype,
+                   const HeadConfig& cfg);
+
+// The scale's gradient as the backward returns it: computed (has_scale), or, for a head without a
+// scale, whose stand-in nothing read, zeros where one is asked for and else an empty tensor.
+Tensor scale_gradient(const HeadGradZ& r, const Tensor& scale, bool needed);
+
+}  // namespace epifuse::ops

@@ -82,8 +82,8 @@ struct EpilogueOperands {
 
 // ---- GEMM planning ----------------------------------------------------------------------------
 // A GEMM runs in CUTLASS's order: arguments -> workspace size -> can_implement -> run. gemm_plan
-// decides everything once (gemm_dispatch.cu is the only place with shape heuristics); the workspace
-// query and the launch take its plan and decide nothing, so they cannot disagree.
+// decides everything once (gemm_plan.cu is the only place with shape heuristics); the workspace
+// query and the launch (gemm_run.cu) take its plan and decide nothing, so they cannot disagree.
 
 // Which kernels a plan runs.
 enum class GemmKernelKind {
@@ -183,7 +183,7 @@ struct Fp16Product {
   int64_t ldo = 0;
 };
 
-// How an Fp16Product runs (gemm_dispatch.cu decides): on the Hopper GEMM whose epilogue applies
+// How an Fp16Product runs (fp16_product_plan.cu decides): on the Hopper GEMM whose epilogue applies
 // the overflow (sm90_fp16_product.cu) where the build, the device and TMA's alignment allow it,
 // with workspace_bytes of workspace; otherwise (hopper false) the caller runs cuBLAS's fp32
 // product, then fp16_overflow_ over it.

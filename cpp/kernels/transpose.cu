@@ -1,7 +1,7 @@
 // A transposing copy through shared memory: reads and writes both coalesced, so it runs near copy
 // bandwidth, where a strided copy (Tensor::contiguous of a transposed view) reads one element per
 // 32-byte sector. The backward's TF32 GEMMs use it to hand cuBLAS K-major operands
-// (gemm_dispatch.cu, cublas_tf32_k_major_copies).
+// (cublas_k_major_copies.cu).
 #include <algorithm>
 #include <climits>
 #include <stdexcept>

@@ -13,7 +13,7 @@ them to the constants below and maps the user-facing spellings onto them:
   (measured on an H200 at problem 84's shape: 8.7e-7 against SGEMM's 5.0e-6,
   max error over max result against float64); elsewhere (sm80) they are TF32
   parts, which gave the mode its name. Batches too small to gain from it run
-  SGEMM (the kernel dispatcher decides, cpp/kernels/gemm_dispatch.cu). This is
+  SGEMM (the kernel dispatcher decides, cpp/kernels/gemm_plan.cu). This is
   what PyTorch's default ``'highest'`` maps to.
 * ``"ieee"``: exact IEEE fp32 products: cuBLAS's FFMA SGEMM, whatever the
   global TF32 flag says.

@@ -125,7 +125,8 @@ Tensor3 training_fold(const Tensor& colsum, const Tensor& colsumsq, int64_t coun
 }  // namespace
 
 // x and W as the GEMMs read them: cast to cfg.gemm_dtype (autocast), or as they are; the weight's
-// cast kept while the weight is unchanged (an eval model casts it once, as the 3x split is kept).
+// cast kept while the weight is unchanged in forwards without a backward (an eval model casts it
+// once, as the 3x split is kept).
 Tensor gemm_input(const Tensor& x, const HeadConfig& cfg) {
   if (!cfg.gemm_dtype || x.scalar_type() == *cfg.gemm_dtype) return x;
   return to_gemm_dtype(x, *cfg.gemm_dtype);
@@ -133,6 +134,7 @@ Tensor gemm_input(const Tensor& x, const HeadConfig& cfg) {
 
 Tensor gemm_weight(const Tensor& w, const HeadConfig& cfg) {
   if (!cfg.gemm_dtype || w.scalar_type() == *cfg.gemm_dtype) return w;
+  const WeightOperandsKept keep(!cfg.for_backward);  // kept for a forward without a backward only
   return kept_weight_cast(w, *cfg.gemm_dtype);
 }
 
@@ -146,6 +148,9 @@ Tensor7 fused_head_forward(const Tensor& x, const Tensor& weight, const OptTenso
                            const Tensor& gamma, const Tensor& beta, const Tensor& scale,
                            const Tensor& running_mean, const Tensor& running_var,
                            const OptTensor& num_batches_tracked, const HeadConfig& cfg) {
+  // The weight's 3x split (and 16-bit cast) kept only where no backward follows: eval and no_grad
+  // forwards, which see the same weight again; a training step keeps nothing (weight_split_cache.h).
+  const WeightOperandsKept keep(!cfg.for_backward);
   // Under autocast the autograd kernel hands over x and W already cast (and keeps them for the
   // backward); a direct call casts here.
   const Tensor x_gemm = gemm_input(x, cfg), w_gemm = gemm_weight(weight, cfg);

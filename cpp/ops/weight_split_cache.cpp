@@ -18,6 +18,18 @@
 namespace epifuse {
 namespace {
 
+thread_local bool operands_kept = true;
+
+}  // namespace
+
+WeightOperandsKept::WeightOperandsKept(bool allowed) : saved_(operands_kept) {
+  operands_kept = allowed;
+}
+WeightOperandsKept::~WeightOperandsKept() { operands_kept = saved_; }
+bool WeightOperandsKept::allowed() { return operands_kept; }
+
+namespace {
+
 // What is kept of a weight: its 3x split (split_fp16), or its cast to a dtype (kCast + the dtype).
 constexpr int kSplit = -1;
 
@@ -67,7 +79,7 @@ at::Tensor kept(const at::Tensor& w, int kind, cudaStream_t stream,
                 const std::function<at::Tensor()>& make) {
   // An inference tensor (made under torch.inference_mode) has no version counter to tell whether
   // it was written since: never kept, made at each call.
-  if (capturing(stream) || w.is_inference()) return {};
+  if (!WeightOperandsKept::allowed() || capturing(stream) || w.is_inference()) return {};
   static std::mutex mutex;
   static std::vector<Entry> entries;
   const std::lock_guard<std::mutex> lock(mutex);

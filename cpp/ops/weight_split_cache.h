@@ -23,6 +23,10 @@
 // Under CUDA graph capture nothing is cached or returned: a captured GEMM makes its operand inside
 // the graph, so its replays see the weight as it is then.
 // An inference tensor (torch.inference_mode) has no version counter: its operands are never kept.
+// Only a forward that feeds no backward keeps (eval, torch.no_grad: fused_head opens a
+// WeightOperandsKept scope for it): a training step's weight changes every step, and a weight that
+// does not (frozen layers, linear probing) would hold its operand beside the step's own memory, so
+// training keeps nothing and stays at eager's resident memory (problem 84's split: 256 MiB).
 // A write the version counter does not see (through `weight.data`, or from outside PyTorch) leaves
 // a kept operand stale, as it would leave any version-keyed cache: write a weight in place through
 // the parameter itself (under torch.no_grad(), as optimizers and load_state_dict do), which bumps
@@ -35,6 +39,20 @@
 #include "epifuse/kernels.h"
 
 namespace epifuse {
+
+// Whether calls on this thread may keep operands: true by default (a direct op call); a scope sets
+// it for the calls inside it and restores it after.
+class WeightOperandsKept {
+ public:
+  explicit WeightOperandsKept(bool allowed);
+  ~WeightOperandsKept();
+  WeightOperandsKept(const WeightOperandsKept&) = delete;
+  WeightOperandsKept& operator=(const WeightOperandsKept&) = delete;
+  static bool allowed();
+
+ private:
+  bool saved_;
+};
 
 // The split of p's weight (p.w, viewed through `w`) if it is worth keeping: a defined uint8 tensor
 // of split_weight_bytes(p) bytes; undefined otherwise (the GEMM then splits into its workspace).

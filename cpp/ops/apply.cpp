@@ -170,7 +170,4 @@ void impls(torch::Library& m) {
 }  // namespace
 }  // namespace epifuse::ops
 
-TORCH_LIBRARY_FRAGMENT(epifuse, m) { epifuse::define_ops(m, epifuse::ops::schemas()); }
-TORCH_LIBRARY_FRAGMENT(epifuse_reference, m) { epifuse::define_ops(m, epifuse::ops::schemas()); }
-TORCH_LIBRARY_IMPL(epifuse, CPU, m) { epifuse::ops::impls(m); }
-TORCH_LIBRARY_IMPL(epifuse, CUDA, m) { epifuse::ops::impls(m); }
+EPIFUSE_REGISTER_OPS(epifuse::ops::schemas, epifuse::ops::impls)

@@ -41,6 +41,15 @@ inline void define_ops(torch::Library& m, const std::vector<std::string>& schema
   for (const std::string& schema : schemas) m.def(schema.c_str());
 }
 
+// A family's registration (at file scope, after its functions): `schemas` (a function returning
+// its schema strings) defined in epifuse:: and in epifuse_reference::, and `impls` (a function
+// registering its C++ functions on a torch::Library) as the CPU and the CUDA kernels.
+#define EPIFUSE_REGISTER_OPS(schemas, impls)                                                   \
+  TORCH_LIBRARY_FRAGMENT(epifuse, m) { ::epifuse::define_ops(m, schemas()); }                   \
+  TORCH_LIBRARY_FRAGMENT(epifuse_reference, m) { ::epifuse::define_ops(m, schemas()); }         \
+  TORCH_LIBRARY_IMPL(epifuse, CPU, m) { impls(m); }                                              \
+  TORCH_LIBRARY_IMPL(epifuse, CUDA, m) { impls(m); }
+
 // An autograd kernel's "call the op again, below autograd": the kernel behind the Autograd key
 // runs (CUDA, CPU or AutocastCUDA's) and no node is recorded.
 template <class Handle, class... Args>

@@ -224,12 +224,6 @@ void impls(torch::Library& m) {
 }  // namespace
 }  // namespace epifuse::ops
 
-TORCH_LIBRARY_FRAGMENT(epifuse, m) {
-  epifuse::define_ops(m, epifuse::ops::pass_schemas());
-  epifuse::define_ops(m, epifuse::ops::hook_schemas());
-}
-TORCH_LIBRARY_FRAGMENT(epifuse_reference, m) {
-  epifuse::define_ops(m, epifuse::ops::pass_schemas());
-}
-TORCH_LIBRARY_IMPL(epifuse, CPU, m) { epifuse::ops::impls(m); }
-TORCH_LIBRARY_IMPL(epifuse, CUDA, m) { epifuse::ops::impls(m); }
+EPIFUSE_REGISTER_OPS(epifuse::ops::pass_schemas, epifuse::ops::impls)
+// The hooks: no float64 reference of their own (their passes have one).
+TORCH_LIBRARY_FRAGMENT(epifuse, m) { epifuse::define_ops(m, epifuse::ops::hook_schemas()); }

@@ -5,8 +5,14 @@
   ``build_info.json`` the build writes beside it, there is nothing true to
   package: the build stops here instead of producing a wheel that cannot be
   imported.
-* The library links libtorch and libcudart of the torch it was built against,
-  so the wheel requires exactly that torch release (from build_info.json).
+* The library links libtorch and libcudart of the torch it was built against.
+  The wheel nevertheless requires plain ``torch`` (pyproject.toml), without a
+  version: a pin would make ``pip install epifuse-*.whl`` replace the user's
+  torch with another release (and another CUDA build), silently, for every
+  package in that environment. Which torch the library needs is recorded in
+  ``epifuse/lib/build_info.json``, shipped in the wheel; ``import epifuse``
+  checks the installed torch against it before loading the library and, on a
+  mismatch, raises an ImportError naming the torch to install (or: rebuild).
 * The library is a binary for this platform but does not use Python's C API
   (it is loaded with ``torch.ops.load_library``): the wheel is tagged
   ``py3-none-<platform>`` rather than ``py3-none-any``.
@@ -37,20 +43,19 @@ def _load_build_info_module():
     return module
 
 
-def torch_requirement() -> str:
+def check_build() -> None:
+    """Stop unless the library and the record of the torch it was built against are here."""
     build_info = _load_build_info_module()
     if not LIBRARY.is_file():
         raise SystemExit(
             f"epifuse: {LIBRARY} is missing: the wheel would not be importable. Build the library "
             "first, at the repository root: scripts/build.sh (or cmake -S . -B build -G Ninja && "
             "cmake --build build), then build the wheel again (pip wheel ./python).")
-    info = build_info.read(LIB_DIR)
-    if info is None:
+    if build_info.read(LIB_DIR) is None:
         raise SystemExit(
             f"epifuse: {build_info.path_in(LIB_DIR)} is missing: the library's build did not "
-            "record the torch it was built against, so the wheel cannot pin it. Rebuild with "
+            "record the torch it was built against, which import epifuse checks. Rebuild with "
             "scripts/build.sh (cmake --build build writes it).")
-    return info.torch_requirement()
 
 
 class BinaryDistribution(Distribution):
@@ -66,8 +71,8 @@ class PlatformWheel(bdist_wheel):
         return "py3", "none", platform
 
 
+check_build()
 setup(
     distclass=BinaryDistribution,
     cmdclass={"bdist_wheel": PlatformWheel},
-    install_requires=[torch_requirement()],
 )

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # scripts/build.sh -- idempotent set-up + build + install of epifuse.
 #
-#   1. python (${PYTHON:-python3}) with torch     (installs torch==2.14.1 if missing)
+#   1. python (${PYTHON:-python3}) with torch     (the installed one; torch==2.14.1 only if none)
 #   2. cmake >= 3.25 and ninja                    (system, else pip)
 #   3. CUTLASS 4.2.0 headers                      ($CUTLASS_DIR, else pip nvidia-cutlass==4.2.0.0)
 #   4. cmake -S . -B build -G Ninja && cmake --build build   -> python/epifuse/lib/libepifuse_ops.so
 #   5. pip install --no-build-isolation --no-deps ./python
+#
+# The library is built against the torch this python already has, whichever release it is; an
+# installed torch is never replaced or upgraded (neither here nor by the wheel, which requires
+# torch without a version). Only a python without torch (a fresh machine) gets one installed.
 #
 # Environment:
 #   PYTHON               interpreter to build for (default python3)
@@ -14,7 +18,7 @@
 #   PIP_NO_INDEX / PIP_FIND_LINKS   honoured by pip itself (offline machines)
 #   EPIFUSE_BUILD_JOBS   parallel compile jobs (default: nproc)
 #   EPIFUSE_BUILD_DIR    build folder (default build)
-#   EPIFUSE_TORCH_SPEC   torch requirement installed when torch is missing (default torch==2.14.1)
+#   EPIFUSE_TORCH_SPEC   torch installed when this python has none (default torch==2.14.1)
 #
 # Takes no arguments; -h / --help prints this text. A full build takes ~8-15 min on 2 cores
 # (~2 min with 16 jobs); a rebuild after an edit compiles only what changed.
@@ -55,11 +59,14 @@ has_module() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.fin
 dist_version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
 
 # --- 1. torch ----------------------------------------------------------------
-if ! has_module torch; then
+# Build against the torch that is there; install one only where there is none.
+if has_module torch; then
+  say "torch $(dist_version torch) (installed; building against it)"
+else
   say "torch not found; pip install $TORCH_SPEC"
   pip_install "$TORCH_SPEC"
+  say "torch $(dist_version torch)"
 fi
-say "torch $(dist_version torch)"
 
 # --- 2. cmake + ninja ----------------------------------------------------------
 cmake_ok() {

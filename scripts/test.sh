@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# scripts/test.sh -- set up + build (scripts/build.sh), then the test suite.
+# scripts/test.sh -- set up + build (scripts/build.sh), then the test suite (tests/; the
+# scripts in examples/ run in tests/test_examples.py).
 # Arguments are passed to pytest (e.g. scripts/test.sh -k fold -x); after `--` they are passed
 # as they are (scripts/test.sh -- --help shows pytest's own help, after the build).
 # -h / --help prints this text and does nothing else.

@@ -1,5 +1,8 @@
 """The wheel built from python/ says what it is (CPU only; needs the built library).
 
+It requires ``torch`` without a version, so that installing it never replaces the user's torch;
+``import epifuse`` checks the torch the library was built against (build_info.json, shipped).
+
 Each wheel is built from a copy of python/ in a temporary folder, offline
 (--no-build-isolation: the installed setuptools), so the checkout is never written.
 """
@@ -7,6 +10,7 @@ Each wheel is built from a copy of python/ in a temporary folder, offline
 from __future__ import annotations
 
 import email.parser
+import json
 import os
 import re
 import shutil
@@ -38,6 +42,14 @@ def _setuptools_major() -> int:
 # installs it).
 needs_setuptools = pytest.mark.skipif(_setuptools_major() < 77,
                                       reason="setuptools >= 77 is not installed")
+def _pip_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+    return tuple(int(p) for p in re.findall(r"\d+", version("pip"))[:2])
+
+
+# pip install --dry-run --report: pip 22.2
+needs_pip_report = pytest.mark.skipif(_pip_version() < (22, 2),
+                                      reason="pip < 22.2 has no install --dry-run --report")
 needs_build = pytest.mark.skipif(
     not LIBRARY.is_file() or _build_info.read(LIB_DIR) is None,
     reason="the checkout's python/epifuse/lib holds no built library with build_info.json "
@@ -88,13 +100,47 @@ def test_wheel_is_tagged_for_this_platform(wheel):
     assert "Root-Is-Purelib: false" in info
 
 
+def _torch_requirements(wheel: Path) -> list[str]:
+    requires = _metadata(wheel).get_all("Requires-Dist") or []
+    return [r for r in requires if r.split(";")[0].strip().startswith("torch")]
+
+
 @needs_setuptools
 @needs_build
-def test_wheel_pins_the_torch_it_was_built_against(wheel):
-    info = _build_info.read(LIB_DIR)
-    requires = _metadata(wheel).get_all("Requires-Dist")
-    torch_reqs = [r for r in requires if r.split(";")[0].strip().startswith("torch")]
-    assert torch_reqs == [f"torch=={_build_info.public_version(info.torch_version)}"]
+def test_wheel_requires_torch_without_a_version(wheel):
+    """A pin would make pip replace the user's torch; import epifuse checks the release instead
+    (test_library: test_import_epifuse_names_the_torch_it_needs)."""
+    assert _torch_requirements(wheel) == ["torch"]
+    with zipfile.ZipFile(wheel) as z:  # what the import check reads ships with the library
+        shipped = z.read("epifuse/lib/build_info.json").decode()
+    assert shipped == _build_info.path_in(LIB_DIR).read_text()
+
+
+@needs_setuptools
+@needs_build
+@needs_pip_report
+def test_installing_a_wheel_built_for_another_torch_keeps_the_installed_torch(tmp_path):
+    """pip's plan for a wheel whose library records another torch release: install epifuse, and
+    nothing else (offline, a dry run: the environment is not changed)."""
+    tree = _copy_python(tmp_path, library=True, build_info=False)
+    (tree / "epifuse" / "lib" / _build_info.FILE_NAME).write_text(json.dumps(
+        {"torch_version": "1.13.0+cu117", "torch_cuda": "11.7", "archs": ["90a"]}))
+    # A version no installed epifuse has (scripts/build.sh installs this checkout's): pip then
+    # plans to install the wheel and resolves its requirements, instead of finding it satisfied.
+    (tree / "epifuse" / "_version.py").write_text(
+        f'__version__ = "{_build_info.public_version(epifuse.__version__)}+other"\n')
+    out = _pip_wheel(tree, tmp_path / "dist")
+    assert out.returncode == 0, out.stdout + out.stderr
+    (path,) = (tmp_path / "dist").glob("epifuse-*.whl")
+    assert _torch_requirements(path) == ["torch"]
+    report = tmp_path / "report.json"
+    plan = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--quiet",
+         "--disable-pip-version-check", "--report", str(report), str(path)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PIP_NO_INDEX="1"))
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    planned = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert planned == ["epifuse"]
 
 
 @needs_setuptools

@@ -4,10 +4,14 @@ The build (CMake, through ``cmake/write_build_info.py``) records next to
 ``libepifuse_ops.so`` the torch it was compiled and linked against, the CUDA
 toolkit, the GPU architectures and the git commit. Two readers need it:
 
-* ``setup.py`` pins the wheel's torch requirement to that torch;
+* ``setup.py`` refuses to build a wheel without it (the wheel ships it);
 * ``_library.load_library`` refuses, with an ImportError that names the torch
   to install, a library built against another torch (loading it would fail
   with an undefined C++ symbol, or worse, load and misbehave).
+
+That import-time check is what holds the library to its torch: the wheel
+itself requires plain ``torch`` (no version), so that installing it never
+replaces the torch a user already has (setup.py).
 
 Standard library only: setup.py loads this file by path, without importing
 epifuse (which would load the library it is about to package).
@@ -37,14 +41,15 @@ class BuildInfo:
         return public_version(self.torch_version)
 
     def torch_requirement(self) -> str:
-        """The wheel's requirement: the same torch release (any local build tag).
+        """The torch to install for this library: the same release (any local build tag),
+        as the ImportError of ``torch_mismatch`` names it.
 
-        Local tags (+cu130, +cpu) are not pinned: PyPI's torch has none, and ``==2.14.1``
+        Local tags (+cu130, +cpu) are left out: PyPI's torch has none, and ``==2.14.1``
         matches ``2.14.1+cu130`` (PEP 440). The CUDA major version, which the tag would
-        carry, is checked at import instead (``torch_mismatch``).
+        carry, is checked too (``torch_mismatch``) and named beside it. Not the wheel's
+        requirement, which is plain ``torch`` (setup.py).
         """
         return f"torch=={self.torch_public_version}"
-
 
     def summary(self) -> str:
         """One line for logs: ``commit abc1234, torch 2.14.1+cu130 (CUDA 13.0), archs 80,90a``."""

@@ -47,10 +47,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    """Let the fused path run on CPU tensors, through the ops' CPU (fold.py) kernels.
+    """Let the fused path run on CPU tensors: one epifuse::fused_head call, whose C++ kernel runs
+    the same sequence of passes as on CUDA, each checking its arguments and then computing its
+    float64 reference (python/epifuse/_ops/, over fold.py).
 
-    This exercises head.py's op sequence, autograd Function and tracing in CI
-    without a GPU; only the device check is bypassed.
+    This exercises head.py's decision, the op's sequence, its C++ autograd and tracing in CI
+    without a GPU; only the device check is bypassed (and, with it, the fallback warning).
     """
     from epifuse import head
 
@@ -64,22 +66,45 @@ def pytest_addoption(parser):
 
 
 @pytest.fixture
-def op_calls(monkeypatch):
-    """The names of the epifuse ops head.py calls (through epifuse.ops), in order.
+def op_calls():
+    """The epifuse ops run during the test (helpers.OpCalls: short names in call order, the
+    passes that fused_head's C++ kernel runs included), e.g. a training forward without grad:
+    ``["fused_head", "gemm_colstats", "bn_fold_train", "affine_"]``.
 
-    With ``fused_on_cpu`` this is how a CPU test proves the fused path ran:
-    the reference path calls none of them.
+    With ``fused_on_cpu`` this is how a CPU test proves the fused path ran, and which passes its
+    one ``fused_head`` call sequenced: the reference path runs none of them.
     """
-    from epifuse import ops
+    from helpers import OpCalls
 
-    calls: list[str] = []
-    for name in ("gemm_affine", "gemm_colstats", "bn_fold_train", "bn_fold_eval", "bn_fold_batch",
-                 "update_running_stats", "affine_softmax", "affine_softmax_", "affine_", "affine"):
-        real = getattr(ops, name)
+    calls = OpCalls().start()
+    yield calls
+    calls.stop()
 
-        def wrapper(*args, _real=real, _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
 
-        monkeypatch.setattr(ops, name, wrapper)
-    return calls
+@pytest.fixture
+def healthy_cuda():
+    """After the test: no sticky CUDA error, and a valid op still gives the right answer."""
+    yield
+    torch.cuda.synchronize()
+    x, w = torch.rand(5, 8, device="cuda"), torch.rand(3, 8, device="cuda")
+    a, c = torch.full((3,), 2.0, device="cuda"), torch.ones(3, device="cuda")
+    y = torch.ops.epifuse.gemm_affine(x, w, a, c, "ieee")
+    torch.cuda.synchronize()
+    expected = 2 * x.double() @ w.double().T + 1
+    assert ((y.double() - expected).norm() / expected.norm()).item() <= 1e-6
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A process group of this process alone (gloo for CPU tensors, and NCCL for CUDA ones where
+    there are both); yields its group_name, which the synchronized-statistics hooks take."""
+    import torch.distributed as dist
+
+    backend = ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available()
+               else "gloo")
+    dist.init_process_group(backend, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()

@@ -15,8 +15,8 @@ from epifuse.problems import gemm_scale_bn as p39
 
 PROBLEMS = {84: p84, 39: p39}
 
-# The autograd node of epifuse::fused_head (its C++ autograd, cpp/ops/fused_head.cpp): a gradient whose
-# grad_fn is this came from the fused backward.
+# The autograd node of epifuse::fused_head (its C++ autograd, cpp/ops/head_autograd.cpp): a gradient
+# whose grad_fn is this came from the fused backward.
 FUSED_NODE = "torch::autograd::CppNode<epifuse::FusedHead>"
 
 
@@ -28,17 +28,14 @@ def ops_run(fn, prefix: str = "") -> list[str]:
     return [e.name() for e in prof.profiler.kineto_results.events() if e.name().startswith(prefix)]
 
 
-@contextlib.contextmanager
-def traced_epifuse_ops():
-    """The epifuse ops that ran inside the block (short names, in call order, nested included).
+def epifuse_ops_in(prof) -> list[str]:
+    """The epifuse ops a finished profile saw (short names, in call order, nested included).
 
-    The profiler sees every op call, also those the C++ composites (fused_head and its
-    backward) make through the dispatcher, which no Python spy can intercept. An op that calls
-    itself again below autograd (the C++ autograd kernels do) is listed once.
+    The profiler sees every op call, also those the C++ composites (fused_head and its backward)
+    make through the dispatcher, which no Python spy can intercept. An op that calls itself again
+    below autograd (the C++ autograd kernels do) is listed once. The float64 references that the
+    ops call for CPU tensors (``epifuse_reference::``) are not listed: they are the ops' insides.
     """
-    names: list[str] = []
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        yield names
     events = sorted((e for e in prof.events() if e.name.startswith("epifuse::")),
                     key=lambda e: (e.time_range.start, -e.time_range.end))
     kept: list = []
@@ -47,7 +44,87 @@ def traced_epifuse_ops():
         if outer is not None and outer.name == e.name and outer.time_range.start <= e.time_range.start:
             continue  # the same op again inside itself (the autograd kernel's redispatch)
         kept.append(e)
-    names.extend(e.name.split("::", 1)[1] for e in kept)
+    return [e.name.split("::", 1)[1] for e in kept]
+
+
+@contextlib.contextmanager
+def traced_epifuse_ops():
+    """The epifuse ops that ran inside the block (epifuse_ops_in: short names, in call order,
+    nested included): a head's forward lists ``fused_head`` and then the passes it ran."""
+    names: list[str] = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield names
+    names.extend(epifuse_ops_in(prof))
+
+
+class OpCalls(list):
+    """The epifuse ops run since the recorder started or was last cleared (epifuse_ops_in: short
+    names in call order, the per-pass ops that fused_head's C++ kernel calls included), e.g.
+    ``["fused_head", "gemm_colstats", "bn_fold_train", "affine_"]`` for a training forward
+    without grad.
+
+    A list kept up to date by a profiler that runs from start() to stop(): every read (==, in,
+    len, count, indexing, iteration, repr) first adds what ran since the last one (the profile is
+    closed, read and a new one opened). Don't nest traced_epifuse_ops or ops_run inside (one
+    profiler at a time).
+    """
+
+    def start(self) -> "OpCalls":
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._prof.__enter__()
+        return self
+
+    def stop(self) -> None:
+        prof, self._prof = getattr(self, "_prof", None), None
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            list.extend(self, epifuse_ops_in(prof))
+
+    def _sync(self) -> None:
+        if getattr(self, "_prof", None) is not None:
+            self.stop()
+            self.start()
+
+    def clear(self) -> None:
+        self._sync()
+        list.clear(self)
+
+    def __eq__(self, other):
+        self._sync()
+        return list.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = None
+
+    def __len__(self):
+        self._sync()
+        return list.__len__(self)
+
+    def __iter__(self):
+        self._sync()
+        return list.__iter__(self)
+
+    def __contains__(self, item):
+        self._sync()
+        return list.__contains__(self, item)
+
+    def __getitem__(self, index):
+        self._sync()
+        return list.__getitem__(self, index)
+
+    def __repr__(self):
+        self._sync()
+        return list.__repr__(self)
+
+    def count(self, item) -> int:
+        self._sync()
+        return list.count(self, item)
+
+    def index(self, *args) -> int:
+        self._sync()
+        return list.index(self, *args)
 
 
 def init_args(number: int, in_f: int, out_f: int, scale_shape=None, *, eps: float = 1e-5,
@@ -144,33 +221,6 @@ def assert_head_grads_close(number: int, training: bool, model: nn.Module, g_new
     for name, a, b in zip(names, g_new, g_ref, strict=True):
         err = ((a - b).norm() / g_weight.norm()).item() if name in vanishing else rel_err(a, b)
         assert err <= tol, (name, err)
-
-
-def assert_row_op_rejects_bad_arguments(op_name: str, device, own_cases) -> None:
-    """The argument errors of a row op (affine_softmax, affine_softmax_, affine_) on ``device``.
-
-    Every backend raises the common ones (3-D z, a of the wrong length, a without c); the
-    caller adds its backend's own as ``own_cases``: ``(make_args(z, a, c), pattern)`` pairs.
-    The in-place ops must leave z untouched on every failure.
-    """
-    import pytest
-
-    f = getattr(torch.ops.epifuse, op_name)
-    z = torch.rand(4, 3, device=device)
-    z0 = z.clone()
-
-    def vec(n):
-        return torch.rand(n, device=device) + 0.5
-
-    a, c = vec(3), vec(3)
-    cases = [((z[None], a, c), "2-D"), ((z, vec(4), c), r"\[3\]")]
-    if op_name != "affine_":
-        cases.append(((z, a, None), "both a and c"))
-    cases += [(make_args(z, a, c), pattern) for make_args, pattern in own_cases]
-    for args, pattern in cases:
-        with pytest.raises(RuntimeError, match=pattern):
-            f(*args)
-    assert torch.equal(z, z0)
 
 
 def fused_nodes(y: torch.Tensor) -> int:

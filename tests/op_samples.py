@@ -1,4 +1,5 @@
-"""Sample arguments for every epifuse op (shared by the CPU and CUDA op tests)."""
+"""Sample arguments for every epifuse op (shared by the CPU and CUDA op tests): one dict of
+samples per device and dtype, with an entry for every op of ``epifuse.ops.OP_NAMES``."""
 
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ def case(*args, **kwargs):
     return args, kwargs
 
 
-def samples(device, dtype, m=5, k=7, n=3, seed=0):
+# The synchronized-statistics hooks: their samples need a process group (its group_name).
+HOOKS = ("synced_batch_fold", "synced_grad_sums")
+
+
+def samples(device, dtype, m=5, k=7, n=3, seed=0, group_name=""):
     """{op name: [(args, kwargs), ...]} covering optional arguments (None) and scale shapes.
 
-    ``op(*args, **kwargs)``; ``torch.library.opcheck(op, args, kwargs)``.
+    ``op(*args, **kwargs)``; ``torch.library.opcheck(op, args, kwargs)``. The HOOKS' samples
+    reduce over ``group_name``'s process group (a one-rank group: conftest's one_rank_group);
+    without one they are not runnable.
     """
     g = torch.Generator().manual_seed(seed)
 
@@ -141,32 +148,59 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0):
             case(sums, moments, None, gamma, sn, None, eps=1e-3),
             case(sums, moments, bias, gamma, s1, sn),  # the default eps
         ],
-        # (x, weight, bias, gamma, beta, scale, running_mean, running_var, *, HeadConfig's fields)
+        # The hooks: the passes above around one collective (all_gather, all_reduce) over
+        # group_name's ranks.
+        "synced_batch_fold": [
+            case(colsum, colsumsq, m, bias, gamma, beta, None, s1, eps=1e-5,
+                 group_name=group_name),
+            case(colsum, colsumsq, m, None, gamma, beta, sn, None, eps=1e-3,
+                 group_name=group_name),
+        ],
+        "synced_grad_sums": [
+            case(sums, moments, bias, gamma, None, s1, eps=1e-5, group_name=group_name),
+            case(sums, moments, None, gamma, sn, None, group_name=group_name),
+        ],
+        # (x, weight, bias, gamma, beta, scale, running_mean, running_var, num_batches_tracked,
+        #  *, HeadConfig's fields). In training, given num_batches_tracked, the op updates the
+        # running statistics in place (the schema's Tensor(a!) running_mean, Tensor(b!)
+        # running_var, Tensor(c!)? num_batches_tracked); None: nothing is updated.
         "fused_head": [
-            case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=True,
+            case(x, w, bias, gamma, beta, s1, *stats(), precision=prec, training=True,
                  scale_before_bn=False, softmax=True, eps=1e-5, group_name=""),
-            case(x, w, None, gamma, beta, sn, *stats()[:2], precision=prec, training=True,
-                 scale_before_bn=True, softmax=False, eps=1e-3),
-            case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=False,
+            case(x, w, None, gamma, beta, sn, *stats(), precision=prec, training=True,
+                 scale_before_bn=True, softmax=False, eps=1e-3, momentum=None),
+            # Statistics not tracked (or frozen): no update
+            case(x, w, bias, gamma, beta, sn, *stats()[:2], None, precision=prec, training=True,
+                 scale_before_bn=True, activation="relu"),
+            case(x, w, bias, gamma, beta, s1, *stats(), precision=prec, training=False,
                  softmax=True, momentum=None),
-            case(x, w, bias, gamma, beta, sn, *stats()[:2], precision=prec, training=True,
+            case(x, w, bias, gamma, beta, sn, *stats(), precision=prec, training=True,
                  activation="gelu"),
-            case(x, w, None, gamma, beta, s1, *stats()[:2], precision=prec, training=False,
+            case(x, w, None, gamma, beta, s1, *stats()[:2], None, precision=prec, training=False,
                  softmax=True, activation="leaky_relu", negative_slope=0.2),
             # A head without a scale: its stand-in is not read (and gets no gradient computed)
-            case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=True,
+            case(x, w, bias, gamma, beta, s1, *stats(), precision=prec, training=True,
                  activation="relu", has_scale=False),
+            # A training forward for no backward: bn_fold_train folds and updates in one kernel,
+            # the pass runs in place over z, the output alone comes back ...
+            case(x, w, bias, gamma, beta, s1, *stats(), precision=prec, training=True,
+                 softmax=True, for_backward=False),
+            # ... or, the statistics not tracked, bn_fold_batch's fold
+            case(x, w, bias, gamma, beta, sn, *stats()[:2], None, precision=prec, training=True,
+                 activation="silu", for_backward=False),
             # ... a direct call asking for a bf16 GEMM (what the autocast kernel passes on)
-            case(x, w, bias, gamma, beta, sn, *stats()[:2], precision=prec, training=False,
+            case(x, w, bias, gamma, beta, sn, *stats(), precision=prec, training=False,
                  for_backward=False, gemm_dtype=torch.bfloat16),
+            case(x, w, bias, gamma, beta, s1, *stats(), precision=prec, training=True,
+                 for_backward=False, gemm_dtype=torch.bfloat16, out_dtype=torch.float32),
             # An eval forward for no backward: one GEMM with the fold and activation in its
             # epilogue, the output alone (no_grad under autocast).
-            case(x, w, bias, gamma, beta, sn, *stats()[:2], precision=prec, training=False,
+            case(x, w, bias, gamma, beta, sn, *stats(), precision=prec, training=False,
                  activation="silu", for_backward=False),
-            case(x, w, bias, gamma, beta, s1, *stats()[:2], precision=prec, training=False,
+            case(x, w, bias, gamma, beta, s1, *stats()[:2], None, precision=prec, training=False,
                  softmax=True, for_backward=False),
             # ... into a wider output (16-bit samples): the GEMM, then the widening affine pass.
-            case(x, w, bias, gamma, beta, sn, *stats()[:2], precision=prec, training=False,
+            case(x, w, bias, gamma, beta, sn, *stats(), precision=prec, training=False,
                  activation="gelu", for_backward=False, out_dtype=torch.float32),
         ],
         # (grad, x, weight, bias, gamma, beta, scale, z, out, colsum, colsumsq, moments, needs,
@@ -210,8 +244,15 @@ def op(name):
     return getattr(torch.ops.epifuse, name).default
 
 
+def op_names() -> list[str]:
+    """The short names of every tensor op of the library (epifuse.ops.OP_NAMES)."""
+    return sorted(n.split("::")[1] for n in ops.OP_NAMES)
+
+
 def all_cases():
-    """(op name, dtype id, sample index) triples, for parametrize ids."""
-    names = [n.split("::")[1] for n in ops.OP_NAMES]
+    """(op name, dtype id, sample index) triples, for parametrize ids: every op of OP_NAMES (an
+    op without samples is an error here, at collection)."""
     counts = {k: len(v) for k, v in samples("cpu", torch.float32).items()}
-    return [(name, d, i) for name in names for d in DTYPES for i in range(counts[name])]
+    missing = sorted(set(op_names()) - set(counts))
+    assert not missing, f"tests/op_samples.py has no samples for {missing}"
+    return [(name, d, i) for name in op_names() for d in DTYPES for i in range(counts[name])]

@@ -83,7 +83,7 @@ def test_error_no_larger_than_sgemm(m, k, n, offset):
     assert rel_err(colsumsq, (z.double() ** 2).sum(0)) <= 1e-9
 
 
-# Below 64 rows, K = 64 or 2^30 multiply-adds, SGEMM is faster or more accurate (gemm_dispatch.cu).
+# Below 64 rows, K = 64 or 2^30 multiply-adds, SGEMM is faster or more accurate (gemm_plan.cu).
 SMALL = [(32, 8192, 8192), (4096, 32, 4096), (256, 17, 256), (128, 1024, 512)]
 
 
@@ -260,7 +260,7 @@ def _affine_case(m, k, n, *, seed, bad):
 @hopper_only
 def test_large_weight_split_in_chunks():
     """A weight whose split exceeds 128 MiB is split and multiplied in chunks of its rows
-    (gemm_dispatch.cu, copy_chunk_rows): here 8704 rows of K = 8192 (272 MiB of FP16 parts) in
+    (operand_chunks.cu, copy_chunk_rows): here 8704 rows of K = 8192 (272 MiB of FP16 parts) in
     chunks of 3072, 3072 and 2560 rows. Each chunk's columns get their own epilogue vectors and
     statistics, and a non-finite row of x is repaired across all of them."""
     m, k, n = 512, 8192, 8704

@@ -1,10 +1,10 @@
 """Activations inside the fused head: ``Linear -> BatchNorm1d [-> scale] -> activation [->
 softmax]``, built with ``FusedLinearBatchNorm(activation=...)`` or found by ``epifuse.fuse``.
 
-On CPU the fused op sequence runs through the ops' CPU kernels (``fused_on_cpu``) and ``op_calls``
-/ the autograd node prove it ran; the unfused modules are the reference. On the GPU (marked
-``hopper``) the CUDA kernels run and the results are held to a float64 twin, no farther from it
-than eager PyTorch, in fp32 and under bf16 autocast.
+On CPU the fused path runs through the ops' float64 references (``fused_on_cpu``) and ``op_calls``
+(one fused_head call and the passes it sequenced) / the autograd node prove it ran; the unfused
+modules are the reference. On the GPU (marked ``hopper``) the CUDA kernels run and the results are
+held to a float64 twin, no farther from it than eager PyTorch, in fp32 and under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -93,13 +93,14 @@ def _batch_statistics(head_id: str, training: bool) -> bool:
 
 
 def _expected_ops(head_id: str, training: bool, softmax: bool) -> list[str]:
-    """One forward's ops: the activation inside the last pass; in eval without a softmax, inside
-    the GEMM's epilogue (no pass of its own)."""
+    """One forward's ops without grad (fused_head, then the passes it runs): the activation inside
+    the last pass; in eval without a softmax, inside the GEMM's epilogue (no pass of its own)."""
     last = "affine_softmax_" if softmax else "affine_"
     if _batch_statistics(head_id, training):
         tracking = HEADS[head_id][0].get("track_running_stats", True)
-        return ["gemm_colstats", "bn_fold_train" if tracking else "bn_fold_batch", last]
-    return ["bn_fold_eval", "gemm_affine"] + (["affine_softmax_"] if softmax else [])
+        return ["fused_head", "gemm_colstats", "bn_fold_train" if tracking else "bn_fold_batch",
+                last]
+    return ["fused_head", "bn_fold_eval", "gemm_affine"] + (["affine_softmax_"] if softmax else [])
 
 
 def _assert_same_state(new: nn.Module, ref: nn.Module, tol: float = 1e-6) -> None:
@@ -378,6 +379,13 @@ def _forward_both(original, model, training, steps=3, tol=1e-5):
         assert rel_err(a, b) < 1e-5, name
 
 
+def _assert_every_head_fused(calls, training: bool, heads: int, steps: int = 3) -> None:
+    """_forward_both's forwards (no grad) ran every head fused: one fused_head call per head and
+    step, each with its GEMM (gemm_colstats in training, gemm_affine with the fold in eval)."""
+    gemm = "gemm_colstats" if training else "gemm_affine"
+    assert calls.count("fused_head") == calls.count(gemm) == heads * steps, calls
+
+
 def _gradients_match(original, model, training):
     original.train(training), model.train(training)
     x = torch.rand(ROWS, IN, generator=torch.Generator().manual_seed(2), requires_grad=True)
@@ -406,10 +414,11 @@ def test_fuse_takes_the_projection_mlp_with_its_relus(fused_on_cpu, op_calls):
     assert _called_modules(model) == {"epifuse_head_0", "epifuse_head_1", "epifuse_head_2"}
     assert "fused 0 -> 1 -> relu" in str(report)
     _forward_both(original, model, training=True)
-    assert op_calls == ["gemm_colstats", "bn_fold_train", "affine_"] * 9
+    assert op_calls == ["fused_head", "gemm_colstats", "bn_fold_train", "affine_"] * 9
     op_calls.clear()
     _forward_both(original, model, training=False)
-    assert op_calls == ["bn_fold_eval", "gemm_affine"] * 9  # the ReLUs in the GEMMs' epilogues
+    # the ReLUs in the GEMMs' epilogues
+    assert op_calls == ["fused_head", "bn_fold_eval", "gemm_affine"] * 9
     for training in (True, False):
         _gradients_match(original, model, training)
 
@@ -421,12 +430,12 @@ def test_fuse_takes_the_classifier_with_its_gelu(fused_on_cpu, op_calls):
     assert [h.activation for h in model._epifuse_heads] == ["gelu", ""]
     assert _called_modules(model) == {"epifuse_head_0", "epifuse_head_1"}
     _forward_both(original, model, training=True)
-    assert op_calls == ["gemm_colstats", "bn_fold_train", "affine_",
-                        "gemm_colstats", "bn_fold_train", "affine_softmax_"] * 3
+    assert op_calls == ["fused_head", "gemm_colstats", "bn_fold_train", "affine_",
+                        "fused_head", "gemm_colstats", "bn_fold_train", "affine_softmax_"] * 3
     op_calls.clear()
     _forward_both(original, model, training=False)
-    assert op_calls == ["bn_fold_eval", "gemm_affine",
-                        "bn_fold_eval", "gemm_affine", "affine_softmax_"] * 3
+    assert op_calls == ["fused_head", "bn_fold_eval", "gemm_affine",
+                        "fused_head", "bn_fold_eval", "gemm_affine", "affine_softmax_"] * 3
     for training in (True, False):
         _gradients_match(original, model, training)
 
@@ -439,17 +448,19 @@ def test_fuse_takes_the_functional_forms(fused_on_cpu, op_calls):
     assert not [n for n in graph.nodes if n.op in ("call_function", "call_method")
                 and n.target not in (torch.cat, _call_member)]  # every activation inside a head
     for training in (True, False):
+        op_calls.clear()
         _forward_both(original, model, training)
+        _assert_every_head_fused(op_calls, training, heads=9)
         _gradients_match(original, model, training)
-    assert op_calls.count("gemm_colstats") == op_calls.count("gemm_affine") == 3 * 9
 
 
 def test_fuse_takes_the_inplace_forms(fused_on_cpu, op_calls):
     original, model, report = fused_pair(lambda: Forms(INPLACE_FORMS))
     assert [f.where for f in report.fused] == _expected_forms(INPLACE_FORMS)
     for training in (True, False):
+        op_calls.clear()
         _forward_both(original, model, training)
-    assert op_calls.count("gemm_colstats") == op_calls.count("gemm_affine") == 3 * 8
+        _assert_every_head_fused(op_calls, training, heads=8)
 
 
 def test_activations_fuse_leaves_outside(fused_on_cpu, op_calls):
@@ -467,9 +478,10 @@ def test_activations_fuse_leaves_outside(fused_on_cpu, op_calls):
     left = {n.target for n in graph.nodes if n.op == "call_function"}
     assert {F.relu, F.elu, torch.softmax} <= left and F.gelu not in left
     for training in (True, False):
+        op_calls.clear()
         _forward_both(original, model, training)
+        _assert_every_head_fused(op_calls, training, heads=5)
         _gradients_match(original, model, training)
-    assert op_calls.count("gemm_colstats") == op_calls.count("gemm_affine") == 3 * 5
 
 
 # --------------------------------------------------------------------------- GPU

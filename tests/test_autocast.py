@@ -216,7 +216,8 @@ def test_autocast_casts_x_and_w_with_the_gemm_operand_kernel(amp, training):
 
     x, w = t(m, k), t(n, k) / k ** 0.5
     rest = (t(n), t(n, lo=0.5, hi=1.5), t(n), t(1, lo=0.5, hi=2.0),
-            t(n, grad=False), t(n, lo=0.5, hi=1.5, grad=False))
+            t(n, grad=False), t(n, lo=0.5, hi=1.5, grad=False),
+            torch.tensor(0, device=CUDA))  # the running statistics updated in training
     kwargs = dict(training=training, activation="relu")
     out = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from epifuse import fold, head, ops
-from epifuse.fused_head import fused_head
 from epifuse.head_config import HeadConfig
 from helpers import (DTYPE_OF, FUSED_NODE, ORACLE_TOL, float64_twin, init_args, make_pair,
                      ops_run, precision_of, rel_err, traced_epifuse_ops)
@@ -28,6 +27,9 @@ CASES = [pytest.param(n, s, id=f"p{n}-scale{s[0]}")
          for n, shapes in ((84, [(1,), (OUT,)]), (39, [(OUT,), (1,)])) for s in shapes]
 KINDS = ["ieee", "tf32", "bf16", "fp16"]
 PARAMS = ("gemm.weight", "gemm.bias", "bn.weight", "bn.bias", "scale")
+# fused_head(x, weight, bias, gamma, beta, scale, running_mean, running_var, num_batches_tracked,
+# **HeadConfig.kwargs()) -> (out, z, colsum, colsumsq, moments, a, c)
+fused_head = ops.fused_head
 
 
 def _grads(model, x, w):
@@ -169,7 +171,10 @@ def test_affine_cpu_out_of_place():
     assert torch.equal(z, before)
 
 
-def _fused_head_sample(requires_grad=True, training=True, softmax=True, scale_before_bn=False):
+def _fused_head_sample(requires_grad=True, training=True, softmax=True, scale_before_bn=False,
+                       tracked=True):
+    """fused_head's 9 tensors and settings; ``tracked``: a num_batches_tracked tensor (the op
+    then updates the running statistics in training), else None."""
     g = torch.Generator().manual_seed(4)
     m, k, n = 6, 5, 4
 
@@ -178,17 +183,21 @@ def _fused_head_sample(requires_grad=True, training=True, softmax=True, scale_be
 
     scale = t(n if scale_before_bn else 1, lo=0.5, hi=2.0)
     args = (t(m, k), t(n, k), t(n), t(n, lo=0.5, hi=1.5), t(n), scale,
-            torch.rand(n, generator=g), torch.rand(n, generator=g) + 0.5)
+            torch.rand(n, generator=g), torch.rand(n, generator=g) + 0.5,
+            torch.tensor(3) if tracked else None)
     return args, HeadConfig(precision="ieee", training=training, scale_before_bn=scale_before_bn,
                             softmax=softmax, eps=1e-5, group_name="").kwargs()
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(training=False), dict(softmax=False),
                                      dict(scale_before_bn=True), dict(requires_grad=False),
-                                     dict(training=False, requires_grad=False, for_backward=False)],
+                                     dict(tracked=False),
+                                     dict(training=False, requires_grad=False, for_backward=False),
+                                     dict(requires_grad=False, for_backward=False)],
                          ids=["train-softmax", "eval", "train-plain", "pre-scale", "no-grad",
-                              "eval-for-no-backward"])
+                              "untracked", "eval-for-no-backward", "train-for-no-backward"])
 def test_opcheck_fused_head_cpu(variant):
+    """With autograd (inputs requiring grad) and the running statistics' in-place update."""
     for_backward = variant.pop("for_backward", True)
     args, kwargs = _fused_head_sample(**variant)
     torch.library.opcheck(torch.ops.epifuse.fused_head.default, args,
@@ -206,11 +215,12 @@ def test_fused_head_refuses_double_backward():
 
 def test_fused_head_ops_reject_bad_arguments():
     args, kwargs = _fused_head_sample(requires_grad=False)
-    x, w, bias, gamma, beta, scale, running_mean, running_var = args
+    x, w, bias, gamma, beta, scale, running_mean, running_var, num_batches_tracked = args
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         # weight's K (6) differs from x's (5)
         torch.ops.epifuse.fused_head(x, torch.rand(4, 6), bias, gamma, beta, scale, running_mean,
-                                     running_var, **kwargs)
+                                     running_var, num_batches_tracked, **kwargs)
+    assert num_batches_tracked.item() == 3  # refused before any update
     out, z, colsum, colsumsq, moments, _, _ = torch.ops.epifuse.fused_head(*args, **kwargs)
     grad = torch.rand_like(out)
 
@@ -243,7 +253,7 @@ def test_eval_call_for_no_backward_runs_one_gemm_with_the_fold(softmax):
     one is refused."""
     args, kwargs = _fused_head_sample(training=False, softmax=softmax, requires_grad=False)
     kwargs["activation"] = "gelu"
-    expected = head.reference_head(*args, HeadConfig(**kwargs))
+    expected = head.reference_head(*args[:8], HeadConfig(**kwargs))
     results = {}
     names = _epifuse_ops_run(lambda: results.update(
         plain=torch.ops.epifuse.fused_head(*args, **{**kwargs, "for_backward": False})))
@@ -306,27 +316,50 @@ def test_a_head_without_a_scale_does_not_read_its_stand_in():
     args[5] = torch.full((1,), 2.0, requires_grad=True)
     kwargs["has_scale"] = False
     out = fused_head(*args, **kwargs)[0]
-    unscaled = head.reference_head(*args[:5], torch.ones(1), *args[6:],
+    unscaled = head.reference_head(*args[:5], torch.ones(1), *args[6:8],
                                    HeadConfig(**{**kwargs, "has_scale": True}))
     torch.testing.assert_close(out, unscaled)
     out.backward(torch.rand_like(out))
     assert torch.equal(args[5].grad, torch.zeros(1))
     assert args[0].grad is not None and args[3].grad is not None
     torch.library.opcheck(torch.ops.epifuse.fused_head.default, tuple(args), kwargs)
-    detached = [t.detach() for t in args]
-    _, z, colsum, colsumsq, moments, _, _ = fused_head(*detached, **kwargs)
+    detached = [t.detach() for t in args[:8]]
+    _, z, colsum, colsumsq, moments, _, _ = fused_head(*detached, None, **kwargs)
     grads = torch.ops.epifuse.fused_head_backward(
         torch.rand_like(z), *detached[:6], z, None, colsum, colsumsq, moments,
         [True, True, True, True, True, False], **kwargs)
     assert grads[5].numel() == 0 and grads[3].shape == args[3].shape
 
 
-def test_fused_head_does_not_mutate_running_stats():
-    args, kwargs = _fused_head_sample()
-    running_mean, running_var = args[6:]
-    rm, rv = running_mean.clone(), running_var.clone()
-    fused_head(*args, **kwargs)
-    assert torch.equal(running_mean, rm) and torch.equal(running_var, rv)
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["mom0.1", "momNone"])
+@pytest.mark.parametrize("for_backward", [True, False], ids=["for-backward", "no-backward"])
+def test_fused_head_updates_the_running_stats_in_training(for_backward, momentum):
+    """In training, given num_batches_tracked, fused_head updates the running statistics in place
+    as nn.BatchNorm1d does (a backward's path: bn_fold_batch -> update_running_stats; for no
+    backward: bn_fold_train, one kernel); None, or eval: nothing changes."""
+    args, kwargs = _fused_head_sample(requires_grad=for_backward, softmax=False)
+    kwargs.update(momentum=momentum, for_backward=for_backward)
+    x, w, bias, gamma, beta, scale, running_mean, running_var, num_batches_tracked = args
+    bn = torch.nn.BatchNorm1d(gamma.shape[0], eps=1e-5, momentum=momentum).double()
+    with torch.no_grad():
+        bn.running_mean.copy_(running_mean), bn.running_var.copy_(running_var)
+        bn.num_batches_tracked.copy_(num_batches_tracked)
+        bn.train()((x.double() @ w.double().T + bias.double()))  # the oracle's update
+    before = [t.clone() for t in (running_mean, running_var, num_batches_tracked)]
+    for untouched in (dict(training=False), dict(untracked=True)):
+        call_args = list(args)
+        if "untracked" in untouched:
+            call_args[8] = None
+        with torch.no_grad():
+            fused_head(*call_args, **{**kwargs, **{k: v for k, v in untouched.items()
+                                                   if k != "untracked"}})
+        for t, b in zip((running_mean, running_var, num_batches_tracked), before):
+            assert torch.equal(t, b), untouched
+    with torch.set_grad_enabled(for_backward):
+        fused_head(*args, **kwargs)
+    assert num_batches_tracked.item() == bn.num_batches_tracked.item() == 4
+    assert rel_err(running_mean, bn.running_mean) < 1e-6
+    assert rel_err(running_var, bn.running_var) < 1e-6
 
 
 # --------------------------------------------------------------------------- ModelNew on CPU
@@ -362,8 +395,8 @@ def test_backward_runs_the_fused_ops(fused_on_cpu):
     x = torch.rand(8, IN, requires_grad=True)
     with traced_epifuse_ops() as calls:
         y = new(x)
-    assert calls == ["fused_head", "gemm_colstats", "bn_fold_batch", "affine_softmax",
-                     "update_running_stats"]
+    assert calls == ["fused_head", "gemm_colstats", "bn_fold_batch", "update_running_stats",
+                     "affine_softmax"]
     with traced_epifuse_ops() as calls:
         y.sum().backward()  # an expanded (stride 0) gradient
     assert calls == ["fused_head_backward", "softmax_grad_rowdot", "head_grad_sums",
@@ -386,13 +419,15 @@ def test_backward_skips_unneeded_gemms(fused_on_cpu):
 
 
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
-def test_without_grad_the_in_place_path_runs(context, fused_on_cpu, monkeypatch):
-    called = []
-    monkeypatch.setattr(head, "fused_head", lambda *a, **k: called.append(1))
+def test_without_grad_the_in_place_path_runs(context, fused_on_cpu):
+    """No grad: one fused_head call for no backward, whose fold updates the running statistics
+    in the same kernel (bn_fold_train) and whose softmax pass overwrites z (in place)."""
     _, new = make_pair(84, init_args(84, IN, OUT))
-    with getattr(torch, context)():
+    with traced_epifuse_ops() as calls, getattr(torch, context)():
         y = new(torch.rand(8, IN))
-    assert y.grad_fn is None and called == []
+    assert y.grad_fn is None
+    assert calls == ["fused_head", "gemm_colstats", "bn_fold_train", "affine_softmax_"], calls
+    assert new.bn.num_batches_tracked.item() == 1
 
 
 # --------------------------------------------------------------------------- on a GPU
@@ -442,7 +477,7 @@ def test_gradients_no_worse_than_eager(number, kind, mode):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("softmax", [True, False], ids=["softmax", "plain"])
-# head_grad_sums splits the rows of narrow problems (head_backward.cu, sums_row_splits): (2048, 1024)
+# head_grad_sums splits the rows of narrow problems (head_grad_sums.cu, sums_row_splits): (2048, 1024)
 # in 2 splits, (4096, 256) in 4, (5003, 100) in 4 with a shorter last one; the others in none
 # (on a 132-SM H100/H200).
 @pytest.mark.parametrize("shape", [(64, 96), (33, 65), (1000, 4097), (2048, 1024), (4096, 256),
@@ -493,7 +528,7 @@ def test_kernels_match_fold(dtype, shape, softmax):
     ((4096, 8192), torch.float16, False)], ids=str)
 def test_sums_split_the_rows_of_narrow_problems_only(shape, dtype, split):
     """head_grad_sums splits the rows where its column bands (32 columns of fp32, 64 of 16-bit
-    types) leave SMs idle and adds the splits in sum_tile_partials (head_backward.cu,
+    types) leave SMs idle and adds the splits in sum_tile_partials (head_grad_sums.cu,
     sums_row_splits); bands that fill the SMs run one split, and fewer than 2048 rows never split.
     The row count (the last element) is written either way. (The cases assume 114-132 SMs: H100
     PCIe/SXM, H200.)"""
@@ -557,7 +592,8 @@ def _cuda_fused_head_sample(training=True, softmax=True, scale_before_bn=False):
     n = 64
     args = (t(48, 40), t(n, 40), t(n), t(n, lo=0.5, hi=1.5), t(n),
             t(n if scale_before_bn else 1, lo=0.5, hi=2.0),
-            torch.rand(n, device=CUDA), torch.rand(n, device=CUDA) + 0.5)
+            torch.rand(n, device=CUDA), torch.rand(n, device=CUDA) + 0.5,
+            torch.tensor(3, device=CUDA))
     return args, HeadConfig(precision="ieee", training=training, scale_before_bn=scale_before_bn,
                             softmax=softmax, eps=1e-5, group_name="").kwargs()
 
@@ -628,7 +664,8 @@ def test_compile_fullgraph_training_step(number):
         vanishing = name == "gemm.bias" or (number == 39 and name == "scale")
         floor = oracle.gemm.weight.grad.norm().item() if vanishing else 0.0
         assert _err(p.grad, q.grad, floor) <= 1e-4, name
-    # The running statistics, updated by update_running_stats after the op, inside the graph.
+    # The running statistics, updated in place by the op (its update_running_stats), inside the
+    # graph.
     assert new.bn.num_batches_tracked.item() == 1
     for name in ("bn.running_mean", "bn.running_var"):
         assert _err(new.get_buffer(name), oracle.get_buffer(name)) <= 1e-5, name
@@ -718,7 +755,7 @@ def _copies_in(fn) -> int:
     return sum(1 for e in prof.events() if "transpose_tiles_kernel" in e.name)
 
 
-# case: (rows, n_out, n_in, dtype, K-major copies expected); gemm_dispatch.cu's
+# case: (rows, n_out, n_in, dtype, K-major copies expected); cublas_k_major_copies.cu's
 # cublas_tf32_k_major_copies says why each.
 _COPY_CASES = {
     "dW": (2304, 2048, 2048, torch.float32, 1),         # both MN-major: one copy (a tie: X^T)
@@ -733,7 +770,7 @@ _COPY_CASES = {
 @pytest.mark.hopper
 @pytest.mark.parametrize("case", list(_COPY_CASES))
 def test_backward_matmul_k_major_copies(case):
-    """TF32 products with MN-major operands copy them K-major where that pays (gemm_dispatch.cu,
+    """TF32 products with MN-major operands copy them K-major where that pays (cublas_k_major_copies.cu,
     cublas_tf32_k_major_copies), with the same result as cuBLAS on the views."""
     g = torch.Generator(device=CUDA).manual_seed(3)
     rows, n_out, n_in, dtype, expected_copies = _COPY_CASES[case]

@@ -1,8 +1,8 @@
 """epifuse.fuse and epifuse.nn.FusedLinearBatchNorm.
 
-On CPU, forwards run the fused op sequence through the ops' CPU kernels
-(``fused_on_cpu``) and ``op_calls`` proves it ran; the unfused deep copy of
-the same model is the reference.
+On CPU, forwards run the fused path through the ops' float64 references
+(``fused_on_cpu``) and ``op_calls`` proves it ran (one fused_head call per head and the passes it
+sequenced); the unfused deep copy of the same model is the reference.
 
 Marked `hopper` (skipped with a reason without a GPU the kernels were built for): epifuse.fuse on
 CUDA, where the fused kernels run for a Sequential and an fx-traced custom module, and the results
@@ -27,8 +27,9 @@ from fuse_models import (IN, OUT, Custom, NearMisses, Untraceable, fused_pair, r
 from helpers import rel_err, traced_epifuse_ops
 
 CUDA = torch.device("cuda")
-TRAIN_OPS = ["gemm_colstats", "bn_fold_train"]
-EVAL_OPS = ["bn_fold_eval", "gemm_affine"]
+# A head's forward without grad: one fused_head call, then its passes (the last pass follows).
+TRAIN_OPS = ["fused_head", "gemm_colstats", "bn_fold_train"]
+EVAL_OPS = ["fused_head", "bn_fold_eval", "gemm_affine"]
 
 
 def fused_linear_biases(model: nn.Module, report) -> set[int]:
@@ -199,7 +200,7 @@ def test_fused_linear_batchnorm_module(position, softmax, fused_on_cpu, op_calls
         expected = reference(x)  # updates bn's running statistics once ...
         bn.num_batches_tracked.sub_(1)  # ... rewound so that the fused call sees the same state
         assert rel_err(module(x), expected) < 1e-5
-    assert op_calls[:2] == TRAIN_OPS
+    assert op_calls[:3] == TRAIN_OPS
     assert "precision=tf32" in repr(module)
 
 
@@ -264,10 +265,10 @@ def test_fuse_runs_fused_kernels_and_matches(build, dtype, op_calls):
     # Training with autograd goes through the fused forward as well.
     model.train(), original.train()
     x = torch.rand(64, IN, device=CUDA, generator=g).to(dtype)
-    with traced_epifuse_ops() as calls:
-        loss = (model(x) * torch.linspace(0, 1, 8, device=CUDA, dtype=dtype)).sum()
-        loss.backward()
-    assert calls.count("fused_head") == calls.count("fused_head_backward") == 2, calls
+    op_calls.clear()
+    loss = (model(x) * torch.linspace(0, 1, 8, device=CUDA, dtype=dtype)).sum()
+    loss.backward()
+    assert op_calls.count("fused_head") == op_calls.count("fused_head_backward") == 2, op_calls
     assert all(p.grad is not None for p in model.parameters())
 
 

@@ -1,6 +1,6 @@
 """The GEMM instantiation table (cpp/kernels/generate_kernels.py): what the dispatcher relies on.
 
-gemm_dispatch.cu looks kernels up by (dtype, math, epilogue, schedule); a hole in the table would
+gemm_plan.cu looks kernels up by (dtype, math, epilogue, schedule); a hole in the table would
 be a logic_error at run time on the GPU, so the table is checked here, on any machine.
 """
 
@@ -27,7 +27,7 @@ def gen():
 def test_every_dispatch_choice_has_a_kernel(gen):
     rows = {(k.arch, k.mode, k.epilogue, k.schedule) for k in gen.KERNELS}
     for mode in ("tf32", "bf16", "fp16", "3xtf32"):
-        # gemm_dispatch.cu, sm90_kernel: SmallM for both epilogues, Wide[SK] for the affine one,
+        # gemm_plan.cu, sm90_kernel: SmallM for both epilogues, Wide[SK] for the affine one,
         # WideTransposed[SK] for the statistics (sm80: one kernel per mode and epilogue).
         for schedule in ("Wide", "WideSK", "SmallM"):
             assert (90, mode, "affine", schedule) in rows

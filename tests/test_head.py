@@ -1,7 +1,8 @@
 """ModelNew's fused path (head.py).
 
-On CPU, through the ops' CPU kernels (fixture fused_on_cpu): the op sequence, the running-stat
-update, the autograd Function and torch.compile tracing, without a GPU.
+On CPU, through the ops' float64 references (fixture fused_on_cpu): the one fused_head call and
+the passes it sequences, the running-stat update, the autograd Function and torch.compile
+tracing, without a GPU.
 
 Marked `hopper` (skipped with a reason without a GPU the kernels were built for): the fused path on
 the CUDA kernels against Model and a float64 oracle. Errors are Frobenius relative errors vs the
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import epifuse
-from epifuse import head, ops
+from epifuse import head
 from helpers import (DTYPE_OF, FUSED_NODE, ORACLE_TOL, PROBLEMS, assert_head_grads_close,
                      float64_twin, init_args, make_pair, precision_of, rel_err, traced_epifuse_ops)
 
@@ -32,7 +33,8 @@ PRECISIONS = list(ORACLE_TOL)  # ieee, 3xtf32, tf32, fp16, bf16
 
 @pytest.fixture
 def spy(op_calls):
-    """Which epifuse ops head.py calls (conftest.op_calls)."""
+    """Which epifuse ops ran (conftest.op_calls): head.py's one fused_head call per forward, then
+    the passes it sequenced."""
     return op_calls
 
 
@@ -54,11 +56,12 @@ def test_fused_path_matches_model(number, scale, fused_on_cpu, spy):
         assert rel_err(new.bn.running_var, ref.bn.running_var) < 1e-6
         assert new.bn.num_batches_tracked.item() == ref.bn.num_batches_tracked.item() == 3
         last = "affine_softmax_" if number == 84 else "affine_"
-        assert spy == ["gemm_colstats", "bn_fold_train", last] * 3
+        assert spy == ["fused_head", "gemm_colstats", "bn_fold_train", last] * 3
         spy.clear()
         x = torch.rand(32, IN, generator=g)
         assert rel_err(new.eval()(x), ref.eval()(x)) < 1e-6
-        assert spy == ["bn_fold_eval", "gemm_affine"] + (["affine_softmax_"] if number == 84 else [])
+        assert spy == ["fused_head", "bn_fold_eval", "gemm_affine"] + (
+            ["affine_softmax_"] if number == 84 else [])
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
@@ -116,7 +119,7 @@ def test_fused_path_reads_parametrized_and_reassigned_parameters(fused_on_cpu, s
     x = torch.rand(8, IN)
     with torch.no_grad():
         y_ref, y_new = ref(x), new(x)
-    assert spy[0] == "gemm_colstats"  # the fused path ran
+    assert spy[:2] == ["fused_head", "gemm_colstats"]  # the fused path ran
     assert rel_err(y_new, y_ref) < 1e-6
 
 
@@ -238,7 +241,7 @@ def test_parametrized_and_reassigned_parameters_are_honoured(mode, fused_on_cpu,
     x = torch.rand(16, IN)
     with torch.no_grad():
         assert rel_err(new(x), ref(x)) < 1e-6
-    assert spy and spy[0] in ("gemm_colstats", "bn_fold_eval")  # the fused path ran
+    assert spy[0] == "fused_head" and spy[1] in ("gemm_colstats", "bn_fold_eval")  # fused
 
 
 # --------------------------------------------------------------------------- on a GPU

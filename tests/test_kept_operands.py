@@ -65,7 +65,7 @@ def _streams():
 def test_weight_split_made_on_one_stream_is_waited_for_on_another():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the split 3x GEMM (and its kept weight split) is Hopper's")
-    # 1024 x 2048 -> 1024: 2^31 multiply-adds, over the split's threshold (gemm_dispatch.cu).
+    # 1024 x 2048 -> 1024: 2^31 multiply-adds, over the split's threshold (gemm_plan.cu).
     gen = torch.Generator(device=CUDA).manual_seed(0)
     x = torch.randn(1024, 2048, device=CUDA, generator=gen)
     w = torch.randn(1024, 2048, device=CUDA, generator=gen)
@@ -148,7 +148,7 @@ def test_inference_tensor_weights_are_never_kept(autocast):
     torch.manual_seed(0)
     amp = torch.autocast("cuda", dtype=autocast or torch.bfloat16, enabled=autocast is not None)
     with torch.inference_mode():
-        # 1024 x 2048 -> 1024: 2^31 multiply-adds, over the split's threshold (gemm_dispatch.cu).
+        # 1024 x 2048 -> 1024: 2^31 multiply-adds, over the split's threshold (gemm_plan.cu).
         model = gemm_scale_bn.ModelNew(2048, 1024, (1024,)).to(CUDA).eval()
         model.bn.running_mean.uniform_(-1, 1)
         model.bn.running_var.uniform_(0.5, 2)

@@ -1,8 +1,10 @@
 """The epifuse ops, each on its own.
 
-Everywhere: the ops' CPU kernels (the executable spec) and schemas, and opcheck on CPU.
+Everywhere: the ops on CPU tensors (the C++ op's checks, then its float64 reference: the executable
+spec) and schemas, and opcheck on CPU, for every op of ``epifuse.ops.OP_NAMES``.
 Marked `hopper` (skipped with a reason without a GPU the kernels were built for): each CUDA op
 against the Python oracle (fold.py / float64 math) and against its CPU kernel, and opcheck on CUDA.
+Bad arguments: tests/test_errors.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from epifuse import fold, ops
 from epifuse.head_config import DEFAULT, HeadConfig
 from helpers import ops_run, rel_err
-from op_samples import DTYPES, all_cases, op, samples
+from op_samples import DTYPES, HOOKS, all_cases, op, samples
 
 CUDA = torch.device("cuda")
 CASES = [pytest.param(name, d, i, id=f"{name}-{d}-{i}") for name, d, i in all_cases()]
@@ -24,18 +26,30 @@ DEVICES = [pytest.param("cpu", id="cpu"),
            pytest.param("cuda", id="cuda", marks=pytest.mark.hopper)]
 
 
+def _affine64(z, a, c):
+    """a * z + c in float64 (a, c None: z itself)."""
+    y = z.double()
+    return y if a is None else y * a.double() + c.double()
+
+
+def _sample(name, device, dtype_id, index, request):
+    """Sample ``index`` of op ``name``; a synchronized hook's reduces over a one-rank group."""
+    group_name = request.getfixturevalue("one_rank_group") if name in HOOKS else ""
+    return samples(device, DTYPES[dtype_id], group_name=group_name)[name][index]
+
+
 @pytest.mark.parametrize("name,dtype_id,index", CASES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device, name, dtype_id, index):
-    args, kwargs = samples(device, DTYPES[dtype_id])[name][index]
+def test_opcheck(device, name, dtype_id, index, request):
+    args, kwargs = _sample(name, device, dtype_id, index, request)
     torch.library.opcheck(op(name), args, kwargs)
 
 
 # --------------------------------------------------------------------------- the CPU kernels
 
 @pytest.mark.parametrize("name,dtype_id,index", CASES)
-def test_fake_kernel_matches_cpu_kernel(name, dtype_id, index):
-    args, kwargs = samples("cpu", DTYPES[dtype_id])[name][index]
+def test_fake_kernel_matches_cpu_kernel(name, dtype_id, index, request):
+    args, kwargs = _sample(name, "cpu", dtype_id, index, request)
     real = op(name)(*copy.deepcopy(args), **kwargs)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
@@ -81,7 +95,7 @@ def test_fused_head_defaults_are_head_config_defaults():
     g = torch.Generator().manual_seed(1)
     x, w = torch.rand(6, 5, generator=g), torch.rand(4, 5, generator=g)
     params = [torch.rand(4, generator=g) + 0.5 for _ in range(6)]
-    tensors = (x, w, *params)
+    tensors = (x, w, *params, None)  # num_batches_tracked None: the running statistics stay
     by_default = torch.ops.epifuse.fused_head(*tensors)
     assert DEFAULT.kwargs() == {}  # only what differs from the defaults is passed
     spelled_out = torch.ops.epifuse.fused_head(*tensors, **DEFAULT._asdict())
@@ -99,7 +113,7 @@ def test_head_config_kwargs_pass_only_what_differs():
                                "has_scale": False}
     g = torch.Generator().manual_seed(2)
     x, w = torch.rand(6, 5, generator=g), torch.rand(4, 5, generator=g)
-    tensors = (x, w, *(torch.rand(4, generator=g) + 0.5 for _ in range(6)))
+    tensors = (x, w, *(torch.rand(4, generator=g) + 0.5 for _ in range(6)), None)
     short = torch.ops.epifuse.fused_head(*tensors, **config.kwargs())
     full = torch.ops.epifuse.fused_head(*tensors, **config._asdict())
     for a, b in zip(short, full, strict=True):
@@ -289,7 +303,7 @@ def test_bad_precision_string_is_rejected():
 KINDS = {"ieee": (torch.float32, "ieee", 2e-6), "3xtf32": (torch.float32, "3xtf32", 4e-6),
          "tf32": (torch.float32, "tf32", 2e-3),
          "fp16": (torch.float16, "", 2e-3), "bf16": (torch.bfloat16, "", 1e-2)}
-# Hopper paths (gemm_dispatch.cu, sm90_kernel): (1024, 4096, 128) stream-K (eval 8 x 16 tiles of
+# Hopper paths (gemm_plan.cu, sm90_kernel): (1024, 4096, 128) stream-K (eval 8 x 16 tiles of
 # 128x256, training 32 x 4 transposed tiles); (512, 4096, 512) stream-K in fp32 and the narrow-output
 # SmallM tiles in 16 bits (64 wide tiles: at most half the SMs); (4096, 256, 64): narrow in every
 # dtype (32 wide tiles), SmallM at 4096 rows; (2048, 2304, 64) and (2100, 2304, 64): data-parallel
@@ -340,7 +354,7 @@ def _cutlass_gemms(fn) -> list[str]:
 @pytest.mark.parametrize("kind", ["bf16", "tf32"])
 def test_narrow_outputs_run_the_small_batch_tiles(kind, op_name):
     """A batch of 4096 rows into 256 columns (32 wide tiles: a quarter of the SMs or fewer) runs the
-    transposed 128x64 tiles of small batches, not stream-K (gemm_dispatch.cu, narrow_output): the
+    transposed 128x64 tiles of small batches, not stream-K (gemm_plan.cu, narrow_output): the
     very kernel a 128-row batch launches. 1024 x 4096 (128 wide tiles) keeps another one."""
     dtype, precision, _ = KINDS[kind]
 
@@ -548,7 +562,7 @@ def _softmax_inputs(n, dtype, affine):
 def test_affine_softmax(dtype_id, n, affine):
     dtype = DTYPES[dtype_id]
     z, a, c = _softmax_inputs(n, dtype, affine)
-    expected = torch.softmax(ops._affine64(z, a, c), dim=1)
+    expected = torch.softmax(_affine64(z, a, c), dim=1)
     y = ops.affine_softmax(z, a, c)
     assert y.dtype == dtype and rel_err(y, expected) <= SOFTMAX_TOL[dtype]
     inplace = z.clone()
@@ -577,7 +591,7 @@ def test_affine_softmax_kernel_boundaries(dtype_id, vecs):
     a = torch.rand(n, device=CUDA, generator=g) + 0.5
     c = torch.randn(n, device=CUDA, generator=g)
     for aa, cc in ((None, None), (a, c)):
-        expected = torch.softmax(ops._affine64(z, aa, cc), dim=1)
+        expected = torch.softmax(_affine64(z, aa, cc), dim=1)
         y = ops.affine_softmax(z, aa, cc)
         assert torch.isnan(y[11]).all()
         finite = torch.ones(300, dtype=torch.bool, device=CUDA)
@@ -611,7 +625,7 @@ def test_affine_softmax_many_rows(dtype_id, n, m):
     a = torch.rand(n, device=CUDA, generator=g) + 0.5
     c = torch.randn(n, device=CUDA, generator=g)
     for aa, cc in ((a, c), (None, None)):
-        expected = torch.softmax(ops._affine64(z, aa, cc), dim=1)
+        expected = torch.softmax(_affine64(z, aa, cc), dim=1)
         y = ops.affine_softmax(z, aa, cc)
         assert rel_err(y, expected) <= SOFTMAX_TOL[dtype]
         # every row, not just the norm: a row skipped or staged from the wrong place stands out
@@ -628,7 +642,7 @@ def test_affine_softmax_many_rows(dtype_id, n, m):
     # the affine pass alone (column_affine.cu) streams bands of rows per thread: same coverage
     shifted = z.clone()
     ops.affine_(shifted, a, c)
-    assert rel_err(shifted, ops._affine64(z, a, c)) <= SOFTMAX_TOL[dtype]
+    assert rel_err(shifted, _affine64(z, a, c)) <= SOFTMAX_TOL[dtype]
 
 
 @pytest.mark.hopper
@@ -647,7 +661,7 @@ def test_widening_affine_on_offset_views(dtype_id, offset):
     c = torch.randn(4096, device=CUDA, generator=g)
     for act in ("", "relu"):
         y = ops.affine(z, a, c, activation=act, out_dtype=torch.float32)
-        expected = fold.activate(ops._affine64(z, a, c), act, 0.01)
+        expected = fold.activate(_affine64(z, a, c), act, 0.01)
         assert y.dtype == torch.float32 and y.is_contiguous()
         row_err = ((y.double() - expected).norm(dim=1) / expected.norm(dim=1).clamp_min(1e-30))
         assert row_err.max().item() <= 1e-6
@@ -701,16 +715,16 @@ def test_gemm_operand_rounds_as_tensor_to(dtype_id, layout):
 def test_affine_inplace(dtype_id, n):
     dtype = DTYPES[dtype_id]
     z, a, c = _softmax_inputs(n, dtype, True)
-    expected = ops._affine64(z, a, c)
+    expected = _affine64(z, a, c)
     ops.affine_(z, a, c)
     assert rel_err(z, expected) <= SOFTMAX_TOL[dtype]
 
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("name,dtype_id,index", CASES)
-def test_cuda_matches_cpu_kernel(name, dtype_id, index):
+def test_cuda_matches_cpu_kernel(name, dtype_id, index, request):
     """The CUDA kernel against the CPU kernel (fold.py) on the same sample."""
-    args, kwargs = samples(CUDA, DTYPES[dtype_id])[name][index]
+    args, kwargs = _sample(name, CUDA, dtype_id, index, request)
     cuda_args = copy.deepcopy(args)
     cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in copy.deepcopy(args)]
     out_cuda, out_cpu = op(name)(*cuda_args, **kwargs), op(name)(*cpu_args, **kwargs)
@@ -740,7 +754,7 @@ def test_row_passes_apply_the_activation(dtype_id, n, activation):
     dtype = DTYPES[dtype_id]
     z, a, c = _softmax_inputs(n, dtype, True)
     kw = {"activation": activation, "negative_slope": 0.2}
-    h = fold.activate(ops._affine64(z, a, c), activation, 0.2)
+    h = fold.activate(_affine64(z, a, c), activation, 0.2)
     tol = max(SOFTMAX_TOL[dtype], 1e-6)
     assert rel_err(ops.affine(z, a, c, **kw), h) <= tol
     inplace = z.clone()
@@ -772,7 +786,7 @@ def test_backward_passes_through_the_activation(dtype_id, n, activation):
     grad = torch.randn(m, n, device=CUDA, generator=g).to(dtype)
     coef = torch.randn(3, n, device=CUDA, generator=g)
     kw = {"activation": activation, "negative_slope": 0.2}
-    h = ops._affine64(z, a, c)
+    h = _affine64(z, a, c)
     for softmax in (False, True):
         out = torch.softmax(fold.activate(h, activation, 0.2), dim=1).to(dtype) if softmax else None
         rowdot = ops.softmax_grad_rowdot(grad, out) if softmax else None
@@ -802,8 +816,8 @@ def test_activation_errors(device):
 
 
 def test_activation_names_are_the_ops():
-    """Every name of fold.ACTIVATIONS (the reference) is an op setting (here the CPU kernels; the
-    CUDA tests above pass each one through the C++ table, ops.cpp's kActivations)."""
+    """Every name of fold.ACTIVATIONS (the reference) is an op setting: the C++ table
+    (op_args.cpp's kActivations) takes it, on CPU tensors too (then the float64 reference)."""
     z = torch.rand(4, 3)
     for name in fold.ACTIVATIONS:
         ops.affine_(z.clone(), None, None, activation=name)

@@ -1,9 +1,9 @@
 """The problem modules: KernelBench convention and the ModelNew contract, on CPU.
 
-Output comparisons run ModelNew's fused op sequence through the ops' CPU
-kernels (fixture ``fused_on_cpu``) and assert, with ``op_calls``, that it ran:
-a CPU input as shipped takes the reference path, which is Model's own code
-and so cannot disagree with it.
+Output comparisons run ModelNew's fused path on CPU tensors (fixture ``fused_on_cpu``: one
+epifuse::fused_head call, its passes' float64 references) and assert, with ``op_calls``, that it
+ran and which passes it sequenced: a CPU input as shipped takes the reference path, which is
+Model's own code and so cannot disagree with it.
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ IN, OUT = 12, 8
 
 
 def _fused_ops(number, training):
-    """The op sequence of one fused forward."""
+    """The ops of one fused forward without grad: one fused_head call and the passes it runs
+    (training: the fold updating the running statistics, the pass in place over z; eval: the fold,
+    then the GEMM with it in its epilogue)."""
     last = ["affine_softmax_" if number == 84 else "affine_"]
-    return ["gemm_colstats", "bn_fold_train", *last] if training else \
-        ["bn_fold_eval", "gemm_affine", *(["affine_softmax_"] if number == 84 else [])]
+    return ["fused_head", "gemm_colstats", "bn_fold_train", *last] if training else \
+        ["fused_head", "bn_fold_eval", "gemm_affine",
+         *(["affine_softmax_"] if number == 84 else [])]
 
 
 @pytest.mark.parametrize("number", NUMBERS)
@@ -194,10 +197,10 @@ def test_gradients_match_model(number, fused_on_cpu):
     with traced_epifuse_ops() as calls:
         y_new = new(x)
     assert y_new.grad_fn.name() == FUSED_NODE
-    # With autograd the output is written out of place (z is saved for the backward), and the
-    # running statistics are updated after the differentiable op, from the moments it folded with.
-    assert calls == ["fused_head", "gemm_colstats", "bn_fold_batch",
-                     "affine_softmax" if number == 84 else "affine", "update_running_stats"]
+    # With autograd the output is written out of place (z is saved for the backward), and the op
+    # updates the running statistics from the moments it folded with (no second fold).
+    assert calls == ["fused_head", "gemm_colstats", "bn_fold_batch", "update_running_stats",
+                     "affine_softmax" if number == 84 else "affine"]
     w = torch.randn_like(y_ref)
     g_ref = torch.autograd.grad((y_ref * w).sum(), [x, *ref.parameters()])
     g_new = torch.autograd.grad((y_new * w).sum(), [x, *new.parameters()])

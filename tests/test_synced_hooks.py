@@ -1,10 +1,14 @@
 """The synchronized-statistics hooks, synced_batch_fold and synced_grad_sums, in one process.
 
-* One rank (a FileStore process group in tmp_path): the whole batch is this rank's, so the CPU
-  kernels (Python, fused_head.py) must give the unsynchronized fold and sums (gloo). Marked
-  `hopper` with NCCL: the CUDA kernels (C++, cpp/ops/synced_hooks.cpp) against the CPU kernels,
-  with the Python hooks disabled so that only C++ can answer, the merge kernel seen by the
-  profiler, and no host synchronization.
+The hooks are C++ composites on every device (cpp/ops/synced.cpp): the per-pass ops
+(pack_moments -> all_gather -> merge_fold; normalized_grad_sums -> all_reduce) around PyTorch's
+functional collectives, the passes running their CUDA kernels or, for CPU tensors, their float64
+references.
+
+* One rank (a FileStore process group in tmp_path): the whole batch is this rank's, so on CPU
+  (gloo) the hooks must give the unsynchronized fold and sums. Marked `hopper` with NCCL: the
+  CUDA kernels against the CPU path, the pack and merge kernels seen by the profiler, and no host
+  synchronization.
 * Two ranks on the `fake` backend (CPU, no peer needed): a rank on the reference path and one on
   the fused path issue the same functional collectives, of the same sizes, in the same order; the
   GPU test holds the C++ path to the same list. (The 2-process checks of the math are
@@ -19,8 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from epifuse import distributed, fold, fused_head
-from helpers import rel_err
+from epifuse import distributed, fold
+from helpers import rel_err, traced_epifuse_ops
 
 EPS = 1e-3
 N, ROWS = 6, 9
@@ -87,7 +91,11 @@ def _profiled(fn, *activities):
 def test_cpu_hooks_on_one_rank_are_the_unsynchronized_fold(tmp_path):
     fold_args, sums = _inputs("cpu")
     with _one_rank_group(tmp_path, "gloo") as group_name:
-        a, c, moments, global_sums = _run_hooks(fold_args, sums, group_name)
+        with traced_epifuse_ops() as calls:
+            a, c, moments, global_sums = _run_hooks(fold_args, sums, group_name)
+    # The C++ composites on CPU tensors too: the per-pass ops, each checking its arguments.
+    assert calls == ["synced_batch_fold", "pack_moments", "merge_fold", "synced_grad_sums",
+                     "normalized_grad_sums"], calls
     expected = torch.ops.epifuse.bn_fold_batch(*fold_args, eps=EPS)
     for got, want in zip((a, c, moments), expected, strict=True):
         assert got.dtype == want.dtype and rel_err(got, want) <= 1e-12
@@ -134,22 +142,17 @@ def test_reference_and_fused_paths_issue_the_same_collectives(fake_two_ranks):
 
 # --------------------------------------------------------------------------- CUDA kernels (NCCL)
 
-def _python_hooks_disabled(*args, **kwargs):
-    raise AssertionError("the Python synchronized-statistics hook ran on CUDA tensors")
-
-
 @pytest.mark.hopper
 @pytest.mark.skipif(not dist.is_nccl_available(), reason="PyTorch built without NCCL")
-def test_cuda_hooks_run_in_cpp(tmp_path, monkeypatch):
-    """The CUDA kernels against the CPU kernels (same group: gloo for CPU tensors, NCCL for CUDA
-    ones), with the Python hooks unable to run; the profiler sees the C++ path's pack and merge
-    kernels and the collectives the reference path issues; nothing synchronizes with the host."""
+def test_cuda_hooks_run_in_cpp(tmp_path):
+    """The CUDA kernels against the CPU path (same group: gloo for CPU tensors, NCCL for CUDA
+    ones); the profiler sees the pack and merge kernels and the collectives the reference path
+    issues; nothing synchronizes with the host."""
     fold_args, sums = _inputs("cpu")
     cuda_args, cuda_sums = _inputs("cuda")
     cuda = torch.profiler.ProfilerActivity.CUDA
     with _one_rank_group(tmp_path, "cpu:gloo,cuda:nccl") as group_name:
         want = _run_hooks(fold_args, sums, group_name)
-        monkeypatch.setattr(fused_head, "_group", _python_hooks_disabled)
         got, prof = _profiled(lambda: _run_hooks(cuda_args, cuda_sums, group_name),
                               torch.profiler.ProfilerActivity.CPU, cuda)
         torch.cuda.synchronize()

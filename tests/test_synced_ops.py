@@ -1,10 +1,11 @@
 """The ops of synchronized batch statistics: pack_moments, merge_fold, normalized_grad_sums.
 
-Everywhere: their CPU kernels (composed of distributed.py and fold.py) against independent
-oracles: rows packed from column sums and merged give what BatchNorm computes over the
-concatenated batch, a packed row is the reference path's local_moments, the normalized sums are
-their definition. Marked `hopper`: each CUDA kernel against its CPU kernel on random rows (empty
-ranks, unequal counts, one rank, large means, several blocks of columns, no column).
+Everywhere: the ops on CPU tensors (their float64 references, composed of distributed.py and
+fold.py, behind the C++ op's checks) against independent oracles: rows packed from column sums and
+merged give what BatchNorm computes over the concatenated batch, a packed row is the reference
+path's local_moments, the normalized sums are their definition. Marked `hopper`: each CUDA kernel
+against its CPU kernel on random rows (empty ranks, unequal counts, one rank, large means, several
+blocks of columns, no column).
 Bad arguments: tests/test_errors.py.
 """
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from epifuse import distributed, fold, synced_ops
+from epifuse import distributed, fold, ops
 from helpers import rel_err
 
 CUDA = torch.device("cuda")
@@ -48,7 +49,7 @@ def _rank_rows(chunks, bias, pre_scale):
             rows.append(distributed.local_moments(u))
             continue
         colsum, colsumsq = fold.column_stats(z)
-        rows.append(synced_ops.pack_moments(colsum, colsumsq, z.shape[0], bias, pre_scale))
+        rows.append(ops.pack_moments(colsum, colsumsq, z.shape[0], bias, pre_scale))
     return torch.stack(rows)
 
 
@@ -65,7 +66,7 @@ def test_merged_fold_is_batch_norm_over_the_concatenated_batch(sizes, scales):
     n = 5
     bias, gamma, beta, pre, post = _params(n, torch.float32, gen, pre=scales[0], post=scales[1])
     chunks = [torch.randn(m, n, generator=gen, dtype=F64) * 3 + 50 for m in sizes]
-    a, c, moments = synced_ops.merge_fold(_rank_rows(chunks, bias, pre), bias, gamma, beta, pre,
+    a, c, moments = ops.merge_fold(_rank_rows(chunks, bias, pre), bias, gamma, beta, pre,
                                           post, eps=EPS)
     z = torch.cat(chunks)
     u = (z + bias.double()) * (1.0 if pre is None else pre.double())
@@ -87,7 +88,7 @@ def test_packed_row_is_the_reference_paths_row(count, with_bias, pre):
     bias, _, _, pre_scale, _ = _params(n, torch.float32, gen, bias=with_bias, pre=pre)
     z = torch.randn(count, n, generator=gen, dtype=F64) + 5
     colsum, colsumsq = fold.column_stats(z)
-    row = synced_ops.pack_moments(colsum, colsumsq, count, bias, pre_scale)
+    row = ops.pack_moments(colsum, colsumsq, count, bias, pre_scale)
     u = (z + (0.0 if bias is None else bias.double())) * (
         1.0 if pre_scale is None else pre_scale.double())
     torch.testing.assert_close(row, distributed.local_moments(u), rtol=1e-10, atol=1e-10)
@@ -105,7 +106,7 @@ def test_normalized_grad_sums_are_sums_of_dy_and_dy_times_yhat(pre, post):
     u = (z + bias.double()) * (1.0 if pre_scale is None else pre_scale.double())
     mean, var = u.mean(0), u.var(0, unbiased=False)
     moments = fold.moments_vector(mean, var, m)
-    got = synced_ops.normalized_grad_sums(fold.grad_sums(dv, None, z), moments, bias, gamma,
+    got = ops.normalized_grad_sums(fold.grad_sums(dv, None, z), moments, bias, gamma,
                                           pre_scale, post_scale, eps=EPS)
     dy = dv * (1.0 if post_scale is None else post_scale.double())
     yhat = (u - mean) / torch.sqrt(var + EPS)

@@ -1,18 +1,24 @@
-"""``python -m benchmarks`` (from the repository root; ``scripts/bench.sh`` from anywhere):
-ModelNew against PyTorch eager and torch.compile.
+"""``python -m benchmarks`` (from the repository root; ``scripts/bench.sh`` from anywhere): every
+section of BENCHMARKS.md in one run.
 
-Problems 84 (gemm_bn_scale_softmax) and 39 (gemm_scale_bn) at their KernelBench sizes (and 84
-at the original small size): train and eval forwards and training steps, in fp32 with TF32 off
-('fp32-ieee'), in 3xTF32 against PyTorch's IEEE fp32 ('fp32-3xtf32') and with TF32 on
-('fp32-tf32'), bf16 and fp16, and fp32 models under torch.autocast to bf16 and fp16 ('amp-bf16',
-'amp-fp16'); with each time the peak memory of one call; our GEMM alone; the host time of a
-small-batch forward; our row softmax against torch.softmax and the copy bandwidth. Prints a
-table and writes bench.json (after every configuration: --resume measures only what is missing),
-Markdown and PNG charts.
+1. KernelBench problems 84 (gemm_bn_scale_softmax) and 39 (gemm_scale_bn) at their KernelBench
+   sizes: ModelNew against PyTorch eager and torch.compile, train and eval forwards and training
+   steps, by default at PyTorch's default fp32 precision ('fp32-3xtf32': ours 3xTF32, PyTorch
+   IEEE fp32), with TF32 ('fp32-tf32') and as fp32 models under torch.autocast to bf16 and fp16
+   ('amp-bf16', 'amp-fp16'); each with the peak memory of one call and the errors against
+   float64; our GEMM alone beside torch.mm; the host time of a small-batch forward.
+2. Real heads (``benchmarks.real_heads``): a projection MLP and a classifier fused by
+   ``epifuse.fuse``, in the same columns, forwards and training steps.
+3. Our row softmax against torch.softmax and the copy bandwidth.
+4. On a machine with 2 GPUs or more, data-parallel training steps (``benchmarks.distributed``);
+   otherwise the page says it was not run.
 
-`--device cpu` is a dry run at tiny sizes that tests the plumbing; without a GPU the default
-device falls back to it, with a note. Problems, dtypes and precisions are spelled as for
-``python -m epifuse`` (``epifuse.cli``).
+Prints an estimate of each section's time before it and its time after it, a table at the end,
+and writes bench.json (after every configuration: --resume measures only what is missing),
+bench.md, bench.txt and PNG charts to --out; ``--markdown BENCHMARKS.md`` writes the page itself
+(charts in BENCHMARKS-charts/). ``--device cpu`` is a dry run at tiny sizes that tests the
+plumbing; without a GPU the default device falls back to it, with a note. Problems, dtypes and
+precisions are spelled as for ``python -m epifuse`` (``epifuse.cli``).
 """
 
 from __future__ import annotations
@@ -20,18 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from epifuse import cli
 
-from . import report
-from .cases import (DRY_SWEEP_M, DTYPES, MODES, SWEEP_M, Runner, Shape, base_state,
-                    build_plan, describe, free_memory, new_row)
+from . import distributed, real_heads, report
+from .cases import (DEFAULT_DTYPES, DEFAULT_PRECISIONS, DRY_SWEEP_M, DTYPES, MODES, SWEEP_M,
+                    Runner, Shape, base_state, build_plan, describe, estimate_case_s, free_memory,
+                    new_row, EST_FIRST_COMPILE_S)
 from .timing import Settings
 
 AUTO = "auto"  # --device default: cuda when there is one, else the CPU dry run
@@ -58,16 +64,19 @@ def _csv(kind: str, choices, convert=str):
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Benchmark epifuse ModelNew against PyTorch eager and torch.compile "
-                    "(KernelBench problems 84 and 39), our GEMM alone, and our softmax.",
+        description="Benchmark epifuse against PyTorch eager and torch.compile: KernelBench "
+                    "problems 84 and 39, real heads fused by epifuse.fuse, our softmax, and "
+                    "data-parallel steps on 2 GPUs; BENCHMARKS.md in one run.",
         epilog="Output: a table on stdout; bench.json, bench.md, bench.txt and PNG charts in "
                "--out. Failures of single configurations are reported in the table.")
-    cli.add_selection_arguments(p, default_dtypes="all",
-                                default_precisions="all three: " + ",".join(cli.PRECISION_ORDER))
+    cli.add_selection_arguments(
+        p, default_dtypes="fp32 and amp: fp32-3xtf32, fp32-tf32, amp-bf16, amp-fp16",
+        default_precisions=",".join(DEFAULT_PRECISIONS) + " (ieee on request)")
     p.add_argument("--modes", "--mode", type=_csv("mode", MODES), default=list(MODES),
                    help="comma list of train,eval,train-step (default all three): training-"
                         "mode and eval-mode forwards, and training steps (forward + backward "
-                        "with dX; fixed shapes only, not the --sweep)")
+                        "with dX; fixed shapes only, not the --sweep); the real heads run the "
+                        "same modes (a training step also queued)")
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="do not time torch.compile(Model)")
     p.add_argument("--sweep", action="store_true",
@@ -82,6 +91,14 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                         "shape, 128x1024->512 (default on; needs problem 84 and a forward mode)")
     p.add_argument("--softmax", action=argparse.BooleanOptionalAction, default=True,
                    help="softmax-alone sweep over row lengths, and the copy bandwidth (default on)")
+    p.add_argument("--real-heads", action=argparse.BooleanOptionalAction, default=True,
+                   help="the real heads (benchmarks.real_heads) in the selected dtypes and "
+                        "modes (default on)")
+    p.add_argument("--distributed", action=argparse.BooleanOptionalAction, default=None,
+                   help="data-parallel steps (benchmarks.distributed; default: on a machine "
+                        "with 2 GPUs or more; --distributed with --device cpu: gloo dry run)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="processes (GPUs) of the data-parallel section (default 2)")
     p.add_argument("--iters", type=int, default=None,
                    help="timed calls per measurement (default 50, --quick 10)")
     p.add_argument("--warmup", type=int, default=None,
@@ -94,7 +111,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    help="output folder for JSON, Markdown, text and PNG (default bench-out)")
     p.add_argument("--markdown", default=None, metavar="PATH",
                    help="also write the Markdown report to PATH (e.g. BENCHMARKS.md); its charts "
-                        "are copied to PATH's folder as <name>-charts/")
+                        "go to PATH's folder as <name>-charts/")
     p.add_argument("--device", default=AUTO,
                    help="cuda, cuda:N, or cpu for a dry run at tiny sizes (default: cuda, or cpu "
                         "with a note when there is no GPU)")
@@ -115,8 +132,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         args.max_seconds = 0.5 if args.quick else 2.0
     if args.iters < 1 or args.warmup < 0 or args.max_seconds <= 0:
         p.error("--iters must be >= 1, --warmup >= 0, --max-seconds > 0")
-    sel = cli.selection(args, default_dtypes=cli.DTYPE_ORDER,
-                        default_fp32_precisions=cli.PRECISION_ORDER)
+    if args.nproc < 2:
+        p.error("--nproc must be at least 2")
+    sel = cli.selection(args, default_dtypes=DEFAULT_DTYPES,
+                        default_fp32_precisions=DEFAULT_PRECISIONS)
     args.problems = list(sel.problems)
     args.dtypes = [c.name for c in sel.columns]  # fp32-<prec.>, bf16, fp16, amp-*: DTYPES' keys
     return args
@@ -176,12 +195,16 @@ def load_previous(path: str, env: dict, log) -> Optional[dict]:
                 "host": {host_key(r): r for r in doc.get("host_time", [])},  # older files: none
                 "softmax": {softmax_key(r): r for r in doc.get("softmax", [])},
                 "copy": (doc.get("copy_bandwidth") or {}).get("gbps") and doc["copy_bandwidth"],
+                "real_heads": {real_heads.row_key(r): r for r in doc.get("real_heads") or []},
+                "distributed": (doc.get("distributed") or {}).get("results") and doc[
+                    "distributed"],
                 "date": old.get("date"), "commands": old.get("commands") or [old.get("command")]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         log(f"--resume: cannot read {path} ({type(e).__name__}: {e}); measuring everything")
         return None
     log(f"--resume: reusing {len(prev['cases'])} configurations, {len(prev['host'])} host-time "
-        f"points and {len(prev['softmax'])} softmax points from {path} ({prev['date']})")
+        f"points, {len(prev['softmax'])} softmax points and {len(prev['real_heads'])} real-heads "
+        f"rows from {path} ({prev['date']})")
     return prev
 
 
@@ -204,9 +227,51 @@ def _host_line(r: dict) -> str:
         f" (ours / eager {report.fmt_num(report.host_ratio(r), 2)})"
 
 
+class Run:
+    """One run's document (bench.json), saved after every configuration, and its log."""
+
+    def __init__(self, args: argparse.Namespace, env: dict, settings_doc: dict,
+                 prev: Optional[dict]) -> None:
+        self.args, self.prev, self.t0 = args, prev, time.perf_counter()
+        self.path = os.path.join(args.out, "bench.json")
+        self.doc = {"complete": False, "env": env, "settings": settings_doc, "cases": [],
+                    "host_time": [], "softmax": [], "copy_bandwidth": None, "real_heads": [],
+                    "distributed": None}
+        env["sections_s"] = {}
+        self.done, self.total = 0, 0
+
+    def log(self, msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def save(self) -> None:
+        with open(self.path + ".tmp", "w") as f:  # atomic: a kill mid-write keeps the last file
+            json.dump(self.doc, f, indent=2)  # an infinite error as Infinity, which json.load reads
+        os.replace(self.path + ".tmp", self.path)
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.args.progress:
+            self.log(f"[{self.done}/{self.total} {time.perf_counter() - self.t0:6.0f}s] {label}")
+
+    def reused(self, kind: str, key) -> Optional[dict]:
+        return (self.prev or {}).get(kind, {}).get(key)
+
+    def section(self, name: str, count: int, estimate_s: float, body: Callable[[], None]) -> None:
+        """Runs ``body`` (one section of the page), with its estimate before and time after."""
+        if not count:
+            return
+        self.log(f"== {report.SECTION_NAMES[name]}: {count} configurations, estimate "
+                 f"~{estimate_s:.0f} s")
+        t0 = time.perf_counter()
+        body()
+        took = time.perf_counter() - t0
+        self.doc["env"]["sections_s"][name] = round(took, 1)
+        self.log(f"== {report.SECTION_NAMES[name]}: {took:.0f} s (estimate ~{estimate_s:.0f} s)")
+        self.save()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    t_start = time.perf_counter()
     device = resolve_device(args.device)
     dry = device.type == "cpu"
     if args.sweep_m is None:
@@ -217,14 +282,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                       sweep=args.sweep, sweep_ms=tuple(args.sweep_m),
                       sweep_compile=args.sweep_compile, softmax=args.softmax, dry=dry,
                       host_time=args.host_time)
+    heads = (real_heads.plan(real_heads.MODELS, args.dtypes, real_heads.modes_for(args.modes),
+                             dry=dry, compile=args.compile) if args.real_heads else [])
     settings = Settings(warmup=args.warmup, iters=args.iters, max_seconds=args.max_seconds)
     env = report.environment(device)
+    gpus = torch.cuda.device_count()
+    want_dist = args.distributed if args.distributed is not None else (
+        not dry and gpus >= args.nproc)
     settings_doc = {"warmup": settings.warmup, "iters": settings.iters,
                     "max_seconds": settings.max_seconds, "min_iters": settings.min_iters,
                     "dry_run": dry, "problems": args.problems, "dtypes": args.dtypes,
                     "modes": args.modes, "compile": args.compile, "sweep": args.sweep,
                     "sweep_m": args.sweep_m if args.sweep else None,
-                    "softmax": args.softmax, "host_time": args.host_time}
+                    "softmax": args.softmax, "host_time": args.host_time,
+                    "real_heads": args.real_heads, "distributed": want_dist}
     print(f"benchmarks: {env['gpu']} | torch {env['torch']} | CUDA {env['cuda']}", flush=True)
     if dry:
         print("benchmarks: --device cpu is a DRY RUN at tiny sizes; its timings only test the "
@@ -233,32 +304,31 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("benchmarks: WARNING: the loaded epifuse library has no CUDA kernels; ModelNew "
               "will run its reference path and the op benchmarks will fail.", flush=True)
 
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
     os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, "bench.json")
-    prev = load_previous(json_path, env, log) if args.resume else None
+    prev = None
+    if args.resume:
+        prev = load_previous(os.path.join(args.out, "bench.json"), env,
+                             lambda m: print(m, file=sys.stderr, flush=True))
     if prev:
         env["resumed_from"] = prev["date"]
         env["commands"] = [c for c in prev["commands"] if c] + [env["command"]]
-    rows, host, softmax, copy = [], [], [], None
-
-    def save(complete: bool = False) -> None:
-        doc = {"complete": complete, "env": env, "settings": settings_doc, "cases": rows,
-               "host_time": host, "softmax": softmax, "copy_bandwidth": copy}
-        with open(json_path + ".tmp", "w") as f:  # atomic: a kill mid-write keeps the last file
-            json.dump(doc, f, indent=2)  # an infinite error as Infinity, which json.load reads
-        os.replace(json_path + ".tmp", json_path)
-
-    total = len(plan.cases) + len(plan.host_points) + len(plan.softmax_points) + (
-        1 if plan.softmax_points else 0)
-    done = [0]
-
-    def step(label: str) -> None:
-        done[0] += 1
-        if args.progress:
-            log(f"[{done[0]}/{total} {time.perf_counter() - t_start:6.0f}s] {label}")
+    run = Run(args, env, settings_doc, prev)
+    doc, log = run.doc, run.log
+    dist_problems = [p for p in args.problems if p in distributed.PROBLEMS]
+    dist_dtypes = [d for d in distributed.DEFAULT_DTYPES]
+    run.total = (len(plan.cases) + len(plan.host_points) + len(plan.softmax_points)
+                 + bool(plan.softmax_points) + len(heads) + bool(want_dist))
+    first_compile = EST_FIRST_COMPILE_S if args.compile and not dry else 0.0
+    estimates = {
+        "kernelbench": first_compile + sum(estimate_case_s(c, settings, dry) for c in plan.cases),
+        "host_time": 0.5 * len(plan.host_points),
+        "softmax": (0.05 if dry else 0.5) * len(plan.softmax_points),
+        "real_heads": sum(real_heads.estimate_s(c, settings, dry) for c in heads),
+        "distributed": distributed.estimate_s(dist_problems, dist_dtypes, distributed.WARMUP,
+                                              distributed.ITERS, "cpu" if dry else "cuda")
+        if want_dist else 0.0}
+    log("benchmarks: estimate ~" + f"{sum(estimates.values()):.0f} s in all: " + ", ".join(
+        f"{report.SECTION_NAMES[k]} ~{v:.0f} s" for k, v in estimates.items() if v))
 
     runner = Runner(device, settings, log, args.verbose)
     states: dict[tuple, object] = {}
@@ -276,87 +346,142 @@ def main(argv: Optional[list[str]] = None) -> int:
                 log(f"  problem {shape.problem} {shape}: {states[key]}")
         return states[key]
 
-    for case in plan.cases:
-        step(case.label)
-        old = prev["cases"].get(case_key(new_row(case))) if prev else None
-        if old is not None:
-            rows.append(old)
-            if old.get("kb_reference_ms") is not None:
-                runner.kb[(case.shape, case.mode)] = old["kb_reference_ms"]
-            log(_summary(old) + " (reused)")
-            continue
-        state = None if case.skip else state_for(case.shape)
-        if isinstance(state, str):
-            r = dict(new_row(case), failures={i: state for i in ("ours", "eager", "compile")})
-        else:
-            r = runner.run_case(case, state)
-        rows.append(r)
-        log(_summary(r))
-        save()
-    for pt in plan.host_points:
-        step(f"host time {pt.label}")
-        old = prev["host"].get(host_key(new_row(pt))) if prev else None
-        if old is None:
-            state = state_for(pt.shape)
+    def kernelbench() -> None:
+        for case in plan.cases:
+            run.step(case.label)
+            old = run.reused("cases", case_key(new_row(case)))
+            if old is not None:
+                doc["cases"].append(old)
+                if old.get("kb_reference_ms") is not None:
+                    runner.kb[(case.shape, case.mode)] = old["kb_reference_ms"]
+                log(_summary(old) + " (reused)")
+                continue
+            state = None if case.skip else state_for(case.shape)
             if isinstance(state, str):
-                host.append(dict(new_row(pt), timings_us={},
-                                 failures={"ours": state, "eager": state}))
+                r = dict(new_row(case), failures={i: state for i in ("ours", "eager", "compile")})
             else:
-                host.append(runner.host_point(pt, state))
-            save()
-        else:
-            host.append(old)
-        log(f"host time {pt.label}: {_host_line(host[-1])}" + (" (reused)" if old else ""))
-    states.clear()
-    free_memory(device)
-    if plan.softmax_points:
-        step("copy bandwidth")
-        copy = (prev or {}).get("copy") or runner.copy_bandwidth(plan.copy_bytes)
-        log(f"copy bandwidth: {report.copy_line(copy)}")
-        for dt, n, m in plan.softmax_points:
-            step(f"softmax {dt} {m}x{n}")
-            old = prev["softmax"].get((dt, n, m)) if prev else None
-            softmax.append(old or runner.softmax_point(dt, n, m))
-            save()
+                r = runner.run_case(case, state)
+            doc["cases"].append(r)
+            log(_summary(r))
+            run.save()
 
-    if prev:  # keep what an earlier run measured beyond this run's plan
-        order = {k: i for i, k in enumerate(DTYPES)}
-        have = {case_key(r) for r in rows}
-        rows += [r for k, r in prev["cases"].items() if k not in have]
-        rows.sort(key=lambda r: ((84, 39).index(r["problem"]) if r["problem"] in (84, 39) else 9,
-                                 ("kernelbench", "kb-small", "sweep").index(r["tag"]), r["M"],
-                                 r["K"], r["N"], MODES.index(r["mode"]), order[r["dtype"]]))
-        have = {host_key(r) for r in host}
-        host += [r for k, r in prev["host"].items() if k not in have]
-        host.sort(key=lambda r: (r["problem"], r["M"], MODES.index(r["mode"]), order[r["dtype"]]))
-        have = {softmax_key(r) for r in softmax}
-        softmax += [r for k, r in prev["softmax"].items() if k not in have]
-        softmax.sort(key=lambda r: (r["dtype"] != "fp32", r["dtype"], r["N"], r["M"]))
-        copy = copy or prev["copy"]
-    env["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    save(complete=True)
-    text = report.text_report(env, rows, softmax, copy, host)
+    def host_time() -> None:
+        for pt in plan.host_points:
+            run.step(f"host time {pt.label}")
+            old = run.reused("host", host_key(new_row(pt)))
+            if old is None:
+                state = state_for(pt.shape)
+                if isinstance(state, str):
+                    doc["host_time"].append(dict(new_row(pt), timings_us={},
+                                                 failures={"ours": state, "eager": state}))
+                else:
+                    doc["host_time"].append(runner.host_point(pt, state))
+                run.save()
+            else:
+                doc["host_time"].append(old)
+            log(f"host time {pt.label}: {_host_line(doc['host_time'][-1])}"
+                + (" (reused)" if old else ""))
+        states.clear()
+        free_memory(device)
+
+    def softmax() -> None:
+        run.step("copy bandwidth")
+        doc["copy_bandwidth"] = (prev or {}).get("copy") or runner.copy_bandwidth(
+            plan.copy_bytes)
+        log(f"copy bandwidth: {report.copy_line(doc['copy_bandwidth'])}")
+        for dt, n, m in plan.softmax_points:
+            run.step(f"softmax {dt} {m}x{n}")
+            doc["softmax"].append(run.reused("softmax", (dt, n, m))
+                                  or runner.softmax_point(dt, n, m))
+            run.save()
+
+    def heads_section() -> None:
+        for case in heads:
+            run.step(f"real heads {case.label}")
+            old = run.reused("real_heads", (case.model, case.spec.name, case.mode, case.batch))
+            try:
+                row = old or real_heads.run_case(case, device, settings)
+            except Exception as e:  # noqa: BLE001 -- a row of failures, the run goes on
+                row = {"model": case.model, "dtype": case.spec.name, "mode": case.mode,
+                       "batch": case.batch, "dims": list(case.dims), "fused": [],
+                       "skipped": [], "compile_timed": case.compile, "peak_mib": {},
+                       "timings_ms": {i: {"error": describe(e)} for i in ("ours", "eager")}}
+            doc["real_heads"].append(row)
+            log(real_heads.summary(row) + (" (reused)" if old else ""))
+            run.save()
+            free_memory(device)
+
+    def dist_section() -> None:
+        run.step(f"data-parallel steps on {args.nproc} processes")
+        if prev and prev.get("distributed"):
+            doc["distributed"] = prev["distributed"]
+            log("data-parallel steps: reused")
+            return
+        free_memory(device)
+        try:
+            doc["distributed"] = distributed.run(args.nproc, dist_problems, dist_dtypes,
+                                                 device="cpu" if dry else "cuda")
+        except Exception as e:  # noqa: BLE001
+            doc["distributed"] = {"failure": describe(e)}
+        log(report.distributed_text(doc, markdown=False))
+
+    run.section("kernelbench", len(plan.cases), estimates["kernelbench"], kernelbench)
+    run.section("host_time", len(plan.host_points), estimates["host_time"], host_time)
+    run.section("real_heads", len(heads), estimates["real_heads"], heads_section)
+    run.section("softmax", len(plan.softmax_points), estimates["softmax"], softmax)
+    if want_dist:
+        run.section("distributed", 1, estimates["distributed"], dist_section)
+    elif args.distributed is None and not dry:
+        doc["distributed"] = {"not_run": f"this machine has {gpus} GPU{'s' * (gpus != 1)}; the "
+                                         f"data-parallel section needs {args.nproc}"}
+    elif args.distributed is None:
+        doc["distributed"] = {"not_run": "CPU dry run (--distributed runs it on gloo)"}
+
+    if prev:
+        _keep_previous(doc, prev)
+    env["elapsed_s"] = round(time.perf_counter() - run.t0, 1)
+    doc["complete"] = True
+    run.save()
+    text = report.text_report(doc)
     print("\n" + text)
-    written = [json_path, os.path.join(args.out, "bench.txt")]
+    written = [run.path, os.path.join(args.out, "bench.txt")]
     with open(written[-1], "w") as f:
         f.write(text + "\n")
-    charts = report.draw(args.out, env, rows, softmax, copy, print)
-    written += charts
-    outputs = [(os.path.join(args.out, "bench.md"), charts)]
-    if args.markdown:  # its charts go to <stem>-charts/ beside it
-        chart_dir = os.path.splitext(os.path.abspath(args.markdown))[0] + "-charts"
-        if charts:
-            os.makedirs(chart_dir, exist_ok=True)
-        outputs.append((args.markdown, [shutil.copy(c, chart_dir) for c in charts]))
-    for path, pngs in outputs:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            f.write(report.markdown_report(env, settings_doc, rows, softmax, copy, pngs, path,
-                                           host))
-        written += [path] + (pngs if path == args.markdown else [])
+    written += report.write_markdown(doc, os.path.join(args.out, "bench.md"), log)
+    if args.markdown:
+        written += report.write_markdown(doc, args.markdown, log)
     print(f"\nwrote: {', '.join(written)} ({env['elapsed_s']:.0f} s)")
-    measured = any(r["timings_ms"] for r in rows + softmax) or any(h["timings_us"] for h in host)
-    return 0 if measured or not (rows or softmax) else 1
+    measured = (any(r["timings_ms"] for r in doc["cases"] + doc["softmax"])
+                or any(h["timings_us"] for h in doc["host_time"])
+                or any(r["timings_ms"] for r in doc["real_heads"]))
+    return 0 if measured or not (doc["cases"] or doc["softmax"] or doc["real_heads"]) else 1
+
+
+def _keep_previous(doc: dict, prev: dict) -> None:
+    """What an earlier run measured beyond this run's plan stays in the report, in order."""
+    order = {k: i for i, k in enumerate(DTYPES)}
+    have = {case_key(r) for r in doc["cases"]}
+    doc["cases"] += [r for k, r in prev["cases"].items() if k not in have]
+    doc["cases"].sort(key=lambda r: ((84, 39).index(r["problem"]) if r["problem"] in (84, 39)
+                                     else 9, ("kernelbench", "kb-small", "sweep").index(r["tag"]),
+                                     r["M"], r["K"], r["N"], MODES.index(r["mode"]),
+                                     order[r["dtype"]]))
+    have = {host_key(r) for r in doc["host_time"]}
+    doc["host_time"] += [r for k, r in prev["host"].items() if k not in have]
+    doc["host_time"].sort(key=lambda r: (r["problem"], r["M"], MODES.index(r["mode"]),
+                                         order[r["dtype"]]))
+    have = {softmax_key(r) for r in doc["softmax"]}
+    doc["softmax"] += [r for k, r in prev["softmax"].items() if k not in have]
+    doc["softmax"].sort(key=lambda r: (r["dtype"] != "fp32", r["dtype"], r["N"], r["M"]))
+    doc["copy_bandwidth"] = doc["copy_bandwidth"] or prev["copy"]
+    have = {real_heads.row_key(r) for r in doc["real_heads"]}
+    doc["real_heads"] += [r for k, r in prev["real_heads"].items() if k not in have]
+    doc["real_heads"].sort(key=lambda r: (
+        real_heads.MODELS.index(r["model"]) if r["model"] in real_heads.MODELS else 9,
+        order.get(r["dtype"], 99), real_heads.MODES.index(r["mode"])
+        if r["mode"] in real_heads.MODES else 9))
+    if not (doc["distributed"] or {}).get("results") and prev.get("distributed"):
+        doc["distributed"] = prev["distributed"]
 
 
 if __name__ == "__main__":

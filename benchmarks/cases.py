@@ -1,4 +1,4 @@
-"""What the benchmark runs, and running one configuration.
+"""What the benchmark runs on the KernelBench problems, and running one configuration.
 
 A configuration (``Case``) is a shape, a dtype column and a mode. Its implementations:
   ours     ModelNew(precision=spec.precision)      (epifuse)
@@ -21,9 +21,11 @@ precision. After the timed calls, one more un-timed call of each implementation 
 memory: the most it allocated above what was allocated before it (``timing.peak_memory``).
 
 Results are plain dicts, the rows of bench.json. A new per-implementation column goes into
-``run_case``'s row and ``report.MODEL_COLUMNS`` (as the peak memory did); a new column of the dtype
-axis is one more ``DTYPES`` entry, whose ``context`` (around all of a measurement) or ``amp_calls``
-(around each call: the autocast columns) enters it.
+``run_case``'s row and ``report.MODEL_COLUMNS`` (as the peak memory did). The dtype columns are
+``epifuse.cli``'s (one spelling table for every command line): ``DTYPES`` wraps each with what
+a measurement enters, ``context`` (torch's matmul policy, around all of it) and ``amp_calls``
+(an autocast region around each call). Only the public package is used: ``epifuse``,
+``epifuse.cli``, ``epifuse.problems``, ``epifuse.precision`` and the ops as ``torch.ops.epifuse``.
 """
 
 from __future__ import annotations
@@ -37,9 +39,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from epifuse import cli, ops, problems
-from epifuse.__main__ import init_inputs
-from epifuse.head import fast_path_reason
+import epifuse
+from epifuse import cli, problems
 from epifuse.precision import resolve_precision
 
 from .timing import (Settings, l2_flush, measure, measure_host_checked, measure_rounds,
@@ -51,15 +52,28 @@ IMPLS = ("ours", "eager", "compile")
 
 @dataclass(frozen=True)
 class DTypeSpec:
-    """One dtype column: tensor dtype, ModelNew's ``precision``, torch's fp32 matmul precision
-    for the PyTorch baselines (eager and compile), and for an autocast column torch.autocast's
-    dtype (``dtype`` is then float32: the parameters' and inputs')."""
+    """One dtype column (an ``epifuse.cli.Column``): tensor dtype, ModelNew's ``precision``,
+    torch's fp32 matmul precision for the PyTorch baselines (eager and compile), and for an
+    autocast column torch.autocast's dtype (``dtype`` is then float32: the parameters' and
+    inputs')."""
 
     name: str
     dtype: torch.dtype
     precision: Optional[str]
     torch_precision: str
     autocast: Optional[torch.dtype] = None
+
+    @staticmethod
+    def of(column: cli.Column) -> "DTypeSpec":
+        return DTypeSpec(column.name, column.torch_dtype, column.precision,
+                         column.torch_matmul_precision, column.autocast_dtype)
+
+    @property
+    def kb_reference(self) -> bool:
+        """Whether eager PyTorch in this column is the KernelBench reference: fp32 models and
+        inputs at PyTorch's default 'highest' (IEEE fp32), no autocast."""
+        return (self.dtype == torch.float32 and self.autocast is None
+                and self.torch_precision == "highest")
 
     def amp(self, device_type: str) -> contextlib.AbstractContextManager:
         """torch.autocast(device_type, dtype) for an autocast column; else nothing."""
@@ -93,18 +107,14 @@ class DTypeSpec:
             torch.backends.cuda.matmul.allow_tf32 = old[1]
 
 
-DTYPES = {
-    "fp32-ieee": DTypeSpec("fp32-ieee", torch.float32, "ieee", "highest"),
-    # PyTorch's default precision: ModelNew(precision=None) under 'highest' runs exactly this.
-    "fp32-3xtf32": DTypeSpec("fp32-3xtf32", torch.float32, "3xtf32", "highest"),
-    "fp32-tf32": DTypeSpec("fp32-tf32", torch.float32, "tf32", "high"),
-    "bf16": DTypeSpec("bf16", torch.bfloat16, None, "highest"),
-    "fp16": DTypeSpec("fp16", torch.float16, None, "highest"),
-    # torch.autocast over fp32 models and inputs, at PyTorch's default matmul precision (as a
-    # user has it); ModelNew(precision=None), whose GEMMs run in the autocast dtype.
-    **{name: DTypeSpec(name, torch.float32, None, "highest", autocast=dtype)
-       for name, dtype in cli.AUTOCAST_DTYPES.items()},
-}
+# Every column of epifuse.cli: fp32-ieee, fp32-3xtf32 (PyTorch's default precision: ModelNew at
+# 'highest' runs 3xTF32, eager IEEE fp32), fp32-tf32, bf16, fp16, and torch.autocast over fp32
+# models and inputs at PyTorch's default matmul precision, amp-bf16 and amp-fp16.
+DTYPES = {c.name: DTypeSpec.of(c) for c in cli.all_columns()}
+# What BENCHMARKS.md shows (python -m benchmarks with no --dtype / --precision): PyTorch's default
+# fp32 precision, TF32, and fp32 models under bf16 and fp16 autocast.
+DEFAULT_DTYPES = ("fp32", cli.AMP)
+DEFAULT_PRECISIONS = tuple(cli.parse_precision(p) for p in ("3xtf32", "tf32"))
 KB_REFERENCE = "fp32-ieee"  # the KernelBench reference: eager PyTorch, fp32, no TF32
 MODES = ("train", "eval", "train-step")
 TRAIN_STEP = "train-step"
@@ -127,23 +137,25 @@ class Shape:
         return f"{self.m}x{self.k}->{self.n}"
 
 
-# (M, K, N) at full size, and the tiny stand-ins of a --device cpu dry run.
+# (M, K, N) at full size, and the tiny stand-ins of a --device cpu dry run: the KernelBench sizes,
+# and problem 84's original small size, where the host time per forward is measured.
 _SHAPES = {(84, "kernelbench"): ((1024, 8192, 8192), (32, 256, 256)),
            (84, "kb-small"): ((128, 1024, 512), (16, 64, 32)),
            (39, "kernelbench"): ((16384, 4096, 4096), (64, 128, 128))}
+CASE_TAGS = ("kernelbench",)  # the shapes of the model tables
 SWEEP_PROBLEM, SWEEP_KN, DRY_SWEEP_KN = 84, 8192, 256
 SWEEP_M, DRY_SWEEP_M = (1, 16, 128, 512, 1024, 4096, 16384), (1, 16, 64)
 HOST_TIME_SHAPE = (84, "kb-small")  # short forwards, where the host matters
 SOFTMAX_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SOFTMAX_NS, DRY_SOFTMAX_NS = tuple(2 ** i for i in range(6, 17)), (64, 256, 1024, 4096)
+SOFTMAX_NS, DRY_SOFTMAX_NS = tuple(2 ** i for i in range(6, 17, 2)), (64, 256, 1024, 4096)
 SOFTMAX_BYTES, DRY_SOFTMAX_BYTES = 64 << 20, 1 << 20  # each input of the row-length sweep
 HEAD_SOFTMAX_SHAPE, DRY_HEAD_SOFTMAX_SHAPE = (1024, 8192), (32, 256)  # problem 84's own softmax
 COPY_BYTES, DRY_COPY_BYTES = 1 << 30, 8 << 20
 
 
-def problem_shapes(problem: int, dry: bool) -> list[Shape]:
+def problem_shapes(problem: int, dry: bool, tags: tuple[str, ...] = CASE_TAGS) -> list[Shape]:
     return [Shape(p, *(tiny if dry else full), tag)
-            for (p, tag), (full, tiny) in _SHAPES.items() if p == problem]
+            for (p, tag), (full, tiny) in _SHAPES.items() if p == problem and tag in tags]
 
 
 @dataclass(frozen=True)
@@ -176,13 +188,13 @@ class Plan:
 def build_plan(problems_: list[int], dtypes: list[str], modes: list[str], *, compile: bool,
                sweep: bool, sweep_ms: tuple[int, ...], sweep_compile: bool, softmax: bool,
                dry: bool, host_time: bool = True) -> Plan:
-    """What to run, in order: fp32-ieee first for each shape and mode, so that the KernelBench
-    reference is measured before the columns compared with it. The default GPU plan is 3 shapes
-    x 3 modes x 7 columns = 63 cases (3 timings each, and the GEMM alone and torch.mm on the 2
-    KernelBench shapes' forwards but for the autocast columns, whose GEMM is the 16-bit one of
-    the bf16 and fp16 columns); torch.compile's 63 compilations dominate its time."""
+    """What to run, in order: for each shape and mode a column whose eager run is the KernelBench
+    reference first (fp32 at 'highest': fp32-ieee or fp32-3xtf32), so that the reference is
+    measured before the columns compared with it. The default GPU plan is 2 KernelBench shapes
+    x 3 modes x 4 columns = 24 cases (3 timings each, and the GEMM alone and torch.mm on the
+    forwards of the fp32 columns: the autocast columns' GEMM is the bf16 / fp16 one)."""
     plan = Plan()
-    ordered = sorted(dtypes, key=lambda d: d != KB_REFERENCE)
+    ordered = sorted(dtypes, key=lambda d: not DTYPES[d].kb_reference)
     shapes = [s for p in problems_ for s in problem_shapes(p, dry)]
     if sweep:  # a sweep point equal to a shape above is that shape, run once
         kn = DRY_SWEEP_KN if dry else SWEEP_KN
@@ -205,8 +217,7 @@ def build_plan(problems_: list[int], dtypes: list[str], modes: list[str], *, com
                                 skip="BatchNorm training needs a batch of at least 2 rows")
                 plan.cases.append(case)
     if host_time and HOST_TIME_SHAPE[0] in problems_:
-        shape = next(s for s in problem_shapes(HOST_TIME_SHAPE[0], dry)
-                     if s.tag == HOST_TIME_SHAPE[1])
+        (shape,) = problem_shapes(HOST_TIME_SHAPE[0], dry, (HOST_TIME_SHAPE[1],))
         plan.host_points = [Case(shape, DTYPES[d], m) for m in modes if m != TRAIN_STEP
                             for d in sorted(dtypes, key=list(DTYPES).index)]
     if softmax:
@@ -220,12 +231,58 @@ def build_plan(problems_: list[int], dtypes: list[str], modes: list[str], *, com
     return plan
 
 
+# --------------------------------------------------------------------------- time estimates
+
+# Rough rates of eager PyTorch on an H100 / H200 (TFLOP/s, by torch's matmul policy or 16-bit
+# GEMMs), torch.compile's warm-up per configuration (seconds; ~5 s more for the first of a
+# process), and the fixed cost of a configuration (building models, the float64 error check, the
+# peak-memory calls): the estimates printed before each section, not a measurement.
+EST_TFLOPS = {"highest": 45.0, "high": 250.0, "16-bit": 300.0}
+EST_COMPILE_S = {False: 2.0, True: 2.5}  # forward, training step
+EST_FIRST_COMPILE_S = 5.0
+EST_CASE_S = 1.0
+
+
+def estimate_call_s(flops: float, spec: "DTypeSpec") -> float:
+    """A guess at one eager call's GPU time (at least 0.1 ms: the host's)."""
+    rate = EST_TFLOPS["16-bit" if spec.autocast is not None or spec.dtype != torch.float32
+                      else spec.torch_precision]
+    return max(1e-4, flops / (rate * 1e12))
+
+
+def estimate_timing_s(call_s: float, settings: Settings, impls: int) -> float:
+    """What ``measure_rounds`` spends on ``impls`` implementations of ``call_s`` per call."""
+    timed = min(settings.iters * call_s, max(settings.min_iters * call_s, settings.max_seconds))
+    return impls * (timed + (settings.warmup + 2) * call_s)
+
+
+def estimate_case_s(case: "Case", settings: Settings, dry: bool) -> float:
+    """Seconds one configuration takes, roughly (the CPU dry run: a fixed guess)."""
+    if case.skip:
+        return 0.0
+    if dry:
+        return 0.3 + 0.3 * case.compile
+    step = case.mode == TRAIN_STEP
+    call = estimate_call_s(case.shape.flops * (3 if step else 1), case.spec)
+    gemm = estimate_timing_s(call / 2, settings, 2) if case.gemm_alone else 0.0
+    return (EST_CASE_S + estimate_timing_s(call, settings, 3 if case.compile else 2) + gemm
+            + (EST_COMPILE_S[step] if case.compile else 0.0))
+
+
+def compile_model(model: torch.nn.Module, device: torch.device) -> Callable:
+    """torch.compile(model), default mode; in a CPU dry run with backend='eager' (dynamo's trace
+    without inductor's code generation: the plumbing, in seconds)."""
+    if device.type == "cpu":
+        return torch.compile(model, backend="eager")
+    return torch.compile(model)
+
+
 # --------------------------------------------------------------------------- models and inputs
 
 def _init_args(shape: Shape) -> list:
     """The problem's get_init_inputs() with in/out features set to K, N (as python -m epifuse
     resizes them)."""
-    return init_inputs(problems.BY_NUMBER[shape.problem], (shape.m, shape.k, shape.n))[1]
+    return cli.init_inputs(problems.BY_NUMBER[shape.problem], (shape.m, shape.k, shape.n))[1]
 
 
 @torch.no_grad()
@@ -407,7 +464,7 @@ class Runner:
                 model = fn = build(case, state, self.device, new=impl == "ours")
                 if impl == "compile":
                     torch._dynamo.reset()  # a fresh cache: no recompile limit, no stale policy
-                    fn = torch.compile(model)
+                    fn = compile_model(model, self.device)
                 fn = case.spec.amp_calls(fn, self.device.type)
                 fns[impl] = (make_step(model, fn, new_weights=True) if case.mode == TRAIN_STEP
                              else fn)
@@ -454,7 +511,7 @@ class Runner:
                                  seed=SEED + 1000)
             x0 = inputs[0][0] if case.mode == TRAIN_STEP else inputs[0]
             with case.spec.amp(device.type):
-                reason = fast_path_reason(build(case, state, device, new=True), x0)
+                reason = epifuse.fast_path_reason(build(case, state, device, new=True), x0)
             row["path"] = "fused" if reason is None else reason
         except Exception as e:  # noqa: BLE001 -- e.g. out of memory for the inputs
             row["failures"].update({impl: describe(e) for impl in IMPLS})
@@ -475,6 +532,7 @@ class Runner:
                 prec = resolve_precision(case.spec.precision, case.spec.dtype)
                 train = case.mode == "train"
                 row["gemm_op"] = "gemm_colstats" if train else "gemm_affine"
+                ops = torch.ops.epifuse
                 self._measure(case, inputs, row, {
                     "gemm": (lambda x: ops.gemm_colstats(x, w, prec)) if train
                     else (lambda x: ops.gemm_affine(x, w, a, c, prec)),
@@ -482,7 +540,7 @@ class Runner:
             inputs.clear()
             free_memory(device)
             key = (case.shape, case.mode)
-            if case.spec.name == KB_REFERENCE:
+            if case.spec.kb_reference:  # eager at 'highest' in fp32: the reference itself
                 self.kb[key] = (row["timings_ms"].get("eager") or {}).get("median_ms")
             elif key not in self.kb:  # eager fp32-ieee, when that column is not in the plan
                 ref_case = Case(case.shape, DTYPES[KB_REFERENCE], case.mode)
@@ -579,7 +637,7 @@ class Runner:
             row["failures"] = {"ours": describe(e), "torch": describe(e)}
             del row["_label"]
             return row
-        for impl, fn in (("ours", lambda t: ops.affine_softmax(t, None, None)),
+        for impl, fn in (("ours", lambda t: torch.ops.epifuse.affine_softmax(t, None, None)),
                          ("torch", lambda t: torch.softmax(t, dim=-1))):
             try:
                 row["errors_vs_fp64"][impl] = error_stats(fn(x), ref64)

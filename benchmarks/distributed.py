@@ -1,5 +1,8 @@
 """``python -m benchmarks.distributed``: data-parallel training steps on several GPUs.
 
+A section of ``python -m benchmarks`` on a machine with 2 GPUs or more (BENCHMARKS.md,
+"Data-parallel training step"); alone, this prints and writes its table.
+
 Times one training step (forward + backward, as in the single-GPU "train-step" mode) of
 ModelNew with synchronized batch statistics (``epifuse.convert_sync_batchnorm``) against the
 reference Model converted with ``nn.SyncBatchNorm.convert_sync_batchnorm``, both with and
@@ -36,15 +39,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from epifuse import distributed as ef_dist, head
+import epifuse
+from epifuse import distributed as ef_dist
 
 from .cases import DTYPES, Case, Shape, base_state, build, input_bytes, make_inputs, make_step
 from .cases import problem_shapes
-from .report import fmt_ms, fmt_x, table
 from .timing import Settings, measure, measure_host, rotation_count
 
 DEFAULT_DTYPES = ("fp32-3xtf32", "fp32-tf32", "bf16")
 PROBLEMS = (84, 39)
+WARMUP, ITERS = 5, 20
 
 
 @dataclass
@@ -111,7 +115,7 @@ def _run_config(shape: Shape, dtype: str, ddp: bool, device: torch.device, rank:
         count = rotation_count(input_bytes(case), device, cap=4)
         pairs = make_inputs(case, device, count, seed=100 + rank)
         x0 = pairs[0][0].detach()
-        reason = head.fast_path_reason(new.module if ddp else new, x0)  # None: fused
+        reason = epifuse.fast_path_reason(new.module if ddp else new, x0)  # None: fused
         # First step of each on the same input: outputs compared (the step updates the
         # running statistics of both alike).
         outs = []
@@ -174,19 +178,39 @@ def _worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
 
 def markdown_table(results: list[StepResult], nproc: int, device_name: str,
                    markdown: bool = True) -> str:
-    headers = ["problem (per rank)", "dtype", "DDP", "ours ms", "SyncBatchNorm ms", "speedup",
-               "output err vs SyncBN", "path", "host ms ours / SyncBN"]
+    """The table (``report.distributed_table``'s)."""
+    from .report import distributed_table
 
-    def host(r: StepResult) -> str:
-        cell = f"{fmt_ms(r.ours_host_ms)} / {fmt_ms(r.reference_host_ms)}"
-        return cell if r.gpu_kept_busy else cell + " (a step synchronized: GPU went idle)"
+    return distributed_table([asdict(r) for r in results], nproc, device_name, markdown)
 
-    rows = [[f"{r.problem}: {r.shape}", r.dtype, "yes" if r.ddp else "no", fmt_ms(r.ours_ms),
-             fmt_ms(r.reference_ms), fmt_x(r.speedup), f"{r.output_err:.1e}", r.path, host(r)]
-            for r in results]
-    return (f"Training step on {nproc} x {device_name}, synchronized batch statistics (slowest "
-            f"rank's median; host ms: the host's time to issue one step)\n\n"
-            + table(headers, rows, 3, markdown))
+
+def estimate_s(problems, dtypes, warmup: int, iters: int, device: str) -> float:
+    """Seconds the section takes, roughly: starting the processes, then per configuration the
+    model set-up and 2 x (warm-up + timed + host-time) steps of ours and the reference."""
+    if device == "cpu":
+        return 15.0 + 1.0 * len(problems) * len(dtypes) * 2
+    per_step = {84: {"fp32-3xtf32": 0.010, "fp32-ieee": 0.010}, 39: {
+        "fp32-3xtf32": 0.035, "fp32-ieee": 0.035, "fp32-tf32": 0.008}}
+    total = 20.0
+    for p in problems:
+        for d in dtypes:
+            step = per_step[p].get(d, 0.006 if p == 39 else 0.003)
+            total += 2 * (2.0 + 2 * (warmup + iters + warmup + 4 * iters) * step)
+    return total
+
+
+def run(nproc: int, problems, dtypes, *, warmup: int = WARMUP, iters: int = ITERS,
+        device: str = "cuda") -> dict:
+    """Every configuration on ``nproc`` processes (one per GPU; gloo on the CPU); the results
+    as bench.json's "distributed" holds them."""
+    args = argparse.Namespace(nproc=nproc, problems=list(problems), dtypes=list(dtypes),
+                              warmup=warmup, iters=iters, device=device)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(args, _free_port(), queue), nprocs=nproc,
+                       start_method="spawn")
+    name = "CPU (dry run)" if device == "cpu" else torch.cuda.get_device_name(0)
+    return {"nproc": nproc, "device_name": name, "results": queue.get()}
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -198,8 +222,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                    choices=[d for d, spec in DTYPES.items() if spec.autocast is None],
                    help="dtype columns as in python -m benchmarks, but for the autocast ones "
                         "(default: " + " ".join(DEFAULT_DTYPES) + ")")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=WARMUP)
+    p.add_argument("--iters", type=int, default=ITERS)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a dry run at tiny sizes that tests the plumbing")
     p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
@@ -217,16 +241,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"python -m benchmarks.distributed: needs {args.nproc} CUDA GPUs, found "
               f"{torch.cuda.device_count()} (--device cpu runs the dry run)", file=sys.stderr)
         return 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(args, _free_port(), queue), nprocs=args.nproc,
-                       start_method="spawn")
-    results = [StepResult(**r) for r in queue.get()]
-    name = "CPU (dry run)" if args.device == "cpu" else torch.cuda.get_device_name(0)
-    print(markdown_table(results, args.nproc, name, markdown=False))
+    doc = run(args.nproc, args.problems, args.dtypes, warmup=args.warmup, iters=args.iters,
+              device=args.device)
+    results = [StepResult(**r) for r in doc["results"]]
+    print(markdown_table(results, args.nproc, doc["device_name"], markdown=False))
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write(markdown_table(results, args.nproc, name) + "\n")
+            f.write(markdown_table(results, args.nproc, doc["device_name"]) + "\n")
     return 0
 
 

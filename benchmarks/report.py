@@ -1,18 +1,22 @@
-"""The report: text and Markdown tables from bench.json's rows, the legend, the environment, and
-the PNG charts (matplotlib, optional).
+"""The report: text and Markdown tables from a run's bench.json, the legend, the environment, and
+the PNG charts (matplotlib, optional). BENCHMARKS.md is ``markdown_report`` of one whole run.
 
 ``python -m benchmarks.report BENCH_JSON --markdown PATH`` writes the report of a bench.json again
 without measuring anything (e.g. BENCHMARKS.md from a GPU run's bench.json, on another machine).
 
-Table columns are lists of (header, cell) pairs: a column the next measurements add is one more
-pair in ``MODEL_COLUMNS`` (as the peak memory per implementation was). Rows of the autocast columns
-(amp-bf16, amp-fp16) get tables of their own, after the forwards' and the steps'.
+Everything works on one ``doc``, bench.json's content: ``env``, ``settings``, and per section its
+rows, ``cases`` (KernelBench), ``host_time``, ``softmax`` and ``copy_bandwidth``, ``real_heads``,
+``distributed`` (its results, or why it was not run). Table columns are lists of (header, cell)
+pairs: a column the next measurements add is one more pair in ``MODEL_COLUMNS`` (as the peak
+memory per implementation was). Rows of the autocast columns (amp-bf16, amp-fp16) get tables of
+their own, after the forwards' and the steps'.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import platform
@@ -24,6 +28,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .cases import DTYPES, PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
+
+PAGE_MAX_LINES = 250  # BENCHMARKS.md: a page, not a log
+SECTIONS = ("kernelbench", "host_time", "softmax", "real_heads", "distributed")
+SECTION_NAMES = {"kernelbench": "KernelBench", "host_time": "host time", "softmax": "softmax",
+                 "real_heads": "real heads", "distributed": "2-GPU"}
 
 # --------------------------------------------------------------------------- rows and cells
 
@@ -273,38 +282,17 @@ def split(rows: Sequence[dict]) -> tuple[list[dict], list[dict], list[dict]]:
             [r for r in fixed if r["mode"] == TRAIN_STEP], sweep)
 
 
-FORWARD_TITLE = "ModelNew vs PyTorch (median ms per forward)"
+FORWARD_TITLE = "Forwards: ModelNew vs PyTorch (median ms per forward)"
 STEP_TITLE = "Training step (forward + backward): ModelNew vs PyTorch (median ms per step)"
-AMP_FORWARD_TITLE = ("Autocast forwards (fp32 parameters and inputs under torch.autocast): "
-                     "ModelNew vs PyTorch, median ms per forward")
-AMP_STEP_TITLE = ("Autocast training steps (forward under torch.autocast, backward after it): "
-                  "ModelNew vs PyTorch, median ms per step")
+AMP_FORWARD_TITLE = ("Autocast forwards (fp32 parameters and inputs under torch.autocast; median "
+                     "ms per forward)")
+AMP_STEP_TITLE = ("Autocast training steps (forward under torch.autocast, backward after it; "
+                  "median ms per step)")
 HOST_TITLE = "Host time per forward (median us of CPU time per Python call)"
-
-
-def tables(env: dict, rows, softmax, copy, host=()) -> tuple[list[tuple], Notes]:
-    """[(title, headers, cells, left)], and the notes they refer to."""
-    notes = Notes()
-    forwards, steps, sweep = split(rows)
-    out = []
-    for title, part, step in ((FORWARD_TITLE, forwards, False), (STEP_TITLE, steps, True),
-                              (AMP_FORWARD_TITLE, forwards, False), (AMP_STEP_TITLE, steps, True)):
-        part = [r for r in part if is_autocast(r) == title.startswith("Autocast")]
-        if part:
-            out.append((title, *_model_table(part, notes, step)))
-    if host:
-        out.append((HOST_TITLE, *_host_table(host, notes)))
-    if sweep:
-        out.append((f"M sweep, problem {SWEEP_PROBLEM}", *_model_table(sweep, notes, False)))
-    gemm = _gemm_table(rows, notes, env)
-    if gemm[1]:
-        out.append(("Our GEMM alone (KernelBench shapes)", *gemm))
-    if softmax:
-        title = "Row softmax: epifuse affine_softmax vs torch.softmax"
-        if copy is not None:
-            title += f" (copy bandwidth {copy_line(copy)})"
-        out.append((title, *_softmax_table(softmax, notes, copy)))
-    return out, notes
+GEMM_TITLE = "Our GEMM alone (KernelBench shapes)"
+SOFTMAX_TITLE = "Row softmax: epifuse affine_softmax vs torch.softmax"
+REAL_HEADS_TITLE = "Real heads: models fused by epifuse.fuse vs eager and torch.compile"
+DISTRIBUTED_TITLE = "Data-parallel training step on 2 GPUs or more"
 
 
 def copy_line(copy: dict) -> str:
@@ -313,6 +301,111 @@ def copy_line(copy: dict) -> str:
     return (f"{copy['gbps']:.0f} GB/s: {copy['bytes_read_plus_written'] / 2 / 2**20:.0f} MiB "
             "tensor.copy_, bytes read + written")
 
+
+
+
+def _rh_time(r: dict, impl: str, notes: Notes) -> str:
+    t = r["timings_ms"].get(impl)
+    if t is None:
+        return "n/a" if r.get("compile_timed", True) or impl != "compile" else "-"
+    if "error" in t:
+        return "n/a " + notes.ref(f"{r['model']} {r['dtype']} {r['mode']}, {impl}: {t['error']}")
+    return fmt_ms(t["median_ms"])
+
+
+def _rh_ms(r: dict, impl: str) -> Optional[float]:
+    t = r["timings_ms"].get(impl)
+    return None if t is None or "error" in t else t["median_ms"]
+
+
+def real_heads_speedup(r: dict, baseline: str) -> Optional[float]:
+    ours, base = _rh_ms(r, "ours"), _rh_ms(r, baseline)
+    return base / ours if ours and base else None
+
+
+def _real_heads_table(rows: Sequence[dict], notes: Notes) -> tuple[list, list, int]:
+    def peaks(r):
+        pk = r.get("peak_mib") or {}
+        return "-" if not pk else " / ".join(fmt_mib(pk.get(i)) for i in ("ours", "eager",
+                                                                          "compile"))
+    cells = [[r["model"], r["dtype"], r["mode"], str(len(r["fused"]))]
+             + [_rh_time(r, i, notes) for i in ("ours", "eager", "compile")]
+             + [fmt_x(real_heads_speedup(r, "eager")), fmt_x(real_heads_speedup(r, "compile")),
+                peaks(r)] for r in rows]
+    return (["model", "dtype", "mode", "fused heads", "ours ms", "eager ms", "compile ms",
+             "vs eager", "vs compile", "peak MiB ours / eager / compile"], cells, 3)
+
+
+def real_heads_markdown(env: dict, rows: Sequence[dict]) -> str:
+    """``python -m benchmarks.real_heads``' own page: its table alone."""
+    notes = Notes()
+    headers, cells, left = _real_heads_table(rows, notes)
+    batch = rows[0]["batch"] if rows else "-"
+    lines = [f"## {REAL_HEADS_TITLE}", "",
+             f"- GPU: {env.get('gpu')}; PyTorch {env.get('torch')}; batch {batch}",
+             "- `python -m benchmarks.real_heads` (median ms per call; peak MiB of one call)", "",
+             table(headers, cells, left, markdown=True), ""]
+    lines += [f"[{i + 1}] {t}  " for i, t in enumerate(notes.items)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def distributed_table(results: Sequence[dict], nproc: int, device_name: str,
+                      markdown: bool = True) -> str:
+    """The 2-GPU section's table (``benchmarks.distributed``'s results as dicts)."""
+    headers = ["problem (per rank)", "dtype", "DDP", "ours ms", "SyncBatchNorm ms", "speedup",
+               "output err vs SyncBN", "path", "host ms ours / SyncBN"]
+
+    def host(r: dict) -> str:
+        cell = f"{fmt_ms(r['ours_host_ms'])} / {fmt_ms(r['reference_host_ms'])}"
+        return cell if r["gpu_kept_busy"] else cell + " (a step synchronized: GPU went idle)"
+
+    rows = [[f"{r['problem']}: {r['shape']}", r["dtype"], "yes" if r["ddp"] else "no",
+             fmt_ms(r["ours_ms"]), fmt_ms(r["reference_ms"]),
+             fmt_x(r["reference_ms"] / r["ours_ms"] if r["ours_ms"] else None),
+             f"{r['output_err']:.1e}", r["path"], host(r)] for r in results]
+    return (f"Training step on {nproc} x {device_name}, synchronized batch statistics (slowest "
+            f"rank's median; host ms: the host's time to issue one step)\n\n"
+            + table(headers, rows, 3, markdown))
+
+
+def tables(doc: dict) -> tuple[list[tuple], Notes]:
+    """[(title, headers, cells, left)] of the KernelBench section, the softmax and the real
+    heads, in the page's order, and the notes they refer to."""
+    env, rows, notes = doc["env"], doc.get("cases") or [], Notes()
+    forwards, steps, sweep = split(rows)
+    out = []
+    for title, part, step in ((FORWARD_TITLE, forwards, False), (STEP_TITLE, steps, True),
+                              (AMP_FORWARD_TITLE, forwards, False), (AMP_STEP_TITLE, steps, True)):
+        part = [r for r in part if is_autocast(r) == title.startswith("Autocast")]
+        if part:
+            out.append((title, *_model_table(part, notes, step)))
+    gemm = _gemm_table(rows, notes, env)
+    if gemm[1]:
+        out.append((GEMM_TITLE, *gemm))
+    if doc.get("host_time"):
+        out.append((HOST_TITLE, *_host_table(doc["host_time"], notes)))
+    if sweep:
+        out.append((f"M sweep, problem {SWEEP_PROBLEM}", *_model_table(sweep, notes, False)))
+    if doc.get("real_heads"):
+        out.append((REAL_HEADS_TITLE, *_real_heads_table(doc["real_heads"], notes)))
+    if doc.get("softmax"):
+        copy, title = doc.get("copy_bandwidth"), SOFTMAX_TITLE
+        if copy is not None:
+            title += f" (copy bandwidth {copy_line(copy)})"
+        out.append((title, *_softmax_table(doc["softmax"], notes, copy)))
+    return out, notes
+
+
+def distributed_text(doc: dict, markdown: bool) -> Optional[str]:
+    """The 2-GPU section: its table, or the line saying why it was not run (None: not asked)."""
+    d = doc.get("distributed")
+    if not d:
+        return None
+    if d.get("not_run"):
+        return f"Not run: {d['not_run']}."
+    if d.get("failure"):
+        return f"Failed: {d['failure']}"
+    return distributed_table(d["results"], d["nproc"], d["device_name"], markdown)
 
 # --------------------------------------------------------------------------- documents
 
@@ -329,6 +422,12 @@ def mm_label(env: dict) -> str:
     return "cuBLAS mm" if on_cuda(env) else "torch.mm (CPU)"
 
 
+COLUMNS_LEGEND = (
+    "Columns: `fp32-3xtf32` = PyTorch's default fp32 precision ('highest'): eager and compile in "
+    "IEEE fp32 (SGEMM; this eager is the KernelBench reference), ours in 3xTF32 (what "
+    "`ModelNew(precision=None)` runs there); `fp32-tf32` = TF32 on for both (`'high'` / "
+    "`precision='tf32'`); `fp32-ieee` = both in IEEE fp32; `bf16`, `fp16` = models and inputs in "
+    "that dtype; `amp-bf16`, `amp-fp16` = torch.autocast, below.")
 STEP_LEGEND = (
     "Training step = one training-mode forward + backward per timed call: x requires grad "
     "(dX is computed, as for a head inside a network), all parameters require grad, and their "
@@ -338,11 +437,9 @@ STEP_LEGEND = (
     "(torch.autograd.graph.increment_version: no kernel), as an optimizer's in-place update "
     "would, so that no implementation reuses a cast or split of a weight that in training "
     "changes every step (ModelNew keeps those only while the weight is unchanged). Its TFLOP/s "
-    "count 3 GEMMs (forward, dX, dW); 'vs KB ref' "
-    "divides eager fp32-ieee's step. err dX / err dW = the input's and gemm.weight's gradients "
-    "against a float64 step with the same (rounded) parameters, x and g.")
-
-
+    "count 3 GEMMs (forward, dX, dW); 'vs KB ref' divides eager fp32's step at 'highest'. "
+    "err dX / err dW = the input's and gemm.weight's gradients against a float64 step with the "
+    "same (rounded) parameters, x and g.")
 AMP_LEGEND = (
     "Autocast (amp-bf16, amp-fp16): parameters and inputs in fp32 (x = torch.rand, as "
     "KernelBench's), every timed call entering its own torch.autocast('{device}', dtype=bfloat16"
@@ -359,89 +456,158 @@ MEMORY_LEGEND = (
     "warmed up): output, saved activations, gradients and workspaces count; parameters, inputs "
     "and what stays allocated between calls (in forwards, ModelNew's kept 16-bit cast or "
     "3xTF32 split of an unchanged weight) do not. 'peak ours / eager' is their ratio.")
+def real_heads_legend(heads: Sequence[dict]) -> str:
+    """The real heads' paragraph, with the models' sizes as this run ran them."""
+    dims = {r["model"]: r.get("dims") for r in heads if r.get("dims")}
+    models = []
+    if "projection" in dims:
+        d_in, hidden, d_out = dims["projection"]
+        models.append(f"projection = MoCo v3's projector (on a ResNet-50 at full size), "
+                      f"Linear({d_in}, {hidden}) -> BN -> ReLU -> Linear({hidden}, {hidden}) -> "
+                      f"BN -> ReLU -> Linear({hidden}, {d_out}) -> BatchNorm1d({d_out}, "
+                      "affine=False)")
+    if "classifier" in dims:
+        d_in, hidden, d_out = dims["classifier"]
+        models.append(f"classifier = Linear({d_in}, {hidden}) -> BN -> GELU -> "
+                      f"Linear({hidden}, {d_out}) -> BN -> Softmax")
+    return (f"Real heads (batch {heads[0]['batch']}): " + "; ".join(models) + ". ours = a copy "
+            "fused by `epifuse.fuse(model, precision=...)` ('fused heads': how many Linear -> BN "
+            "chains it fused), eager = the model, compile = torch.compile of it; columns, steps "
+            "and autocast as above. `train-step-queued` = the same step's GPU time with the host "
+            "ahead (steps queued behind a spin kernel, timed back to back): what the head costs "
+            "inside a model whose GPU work hides the host, where `train-step` times each step "
+            "alone, host latency included.")
 
 
-def legend(env: dict, rows: Sequence[dict], host=()) -> str:
-    """The footer; names only what this run measured (a CPU dry run has no CUDA events)."""
+DISTRIBUTED_LEGEND = (
+    "2 GPUs: `python -m benchmarks.distributed`, one process per GPU (NCCL); each rank holds the "
+    "KernelBench batch; ours = ModelNew after `epifuse.convert_sync_batchnorm`, reference = Model "
+    "after `nn.SyncBatchNorm.convert_sync_batchnorm`, with and without DDP (then the weight "
+    "gradient's all-reduce is in both steps); fixed counts of steps on every rank, the slowest "
+    "rank's median.")
+
+
+def _compile_note(env: dict) -> str:
+    return "" if on_cuda(env) else (" (CPU dry run: backend='eager', dynamo's trace without "
+                                    "inductor's code)")
+
+
+def legend(doc: dict) -> list[str]:
+    """The footer's paragraphs; names only what this run measured (a CPU dry run has no CUDA
+    events)."""
+    env, rows, heads = doc["env"], doc.get("cases") or [], doc.get("real_heads") or []
+    timed = any(r["compile_timed"] for r in rows) or any(r.get("compile_timed") for r in heads)
     impls = "ours = ModelNew (epifuse); eager = reference Model" + (
-        "; compile = torch.compile(Model), default mode" if any(r["compile_timed"] for r in rows)
+        f"; compile = torch.compile(Model), default mode{_compile_note(env)}" if timed
         else "; torch.compile not timed (--no-compile)")
-    text = (f"{impls}. Times: median of {timer_name(env)} timings after warm-up, inputs "
-            "rotated; the implementations of a row are timed in 3 interleaved rounds. TFLOP/s = "
-            "2*M*N*K / time. 'vs KB ref' = eager fp32 with TF32 off (the KernelBench reference) / "
-            "ours. err = ||out - ref64|| / ||ref64|| and max |out - ref64| against a float64 "
-            "forward of the same (rounded) parameters and input.")
+    out = [f"{impls}. Times: median of {timer_name(env)} timings after warm-up, inputs "
+           "rotated so that they do not stay in L2; the implementations of a row are timed in 3 "
+           "interleaved rounds, so that a slow spell of the machine falls on all of them. "
+           "TFLOP/s = 2*M*N*K / time. 'vs KB ref' = eager fp32 with TF32 off (the KernelBench "
+           "reference) / ours. err = ||out - ref64|| / ||ref64|| and max |out - ref64| against a "
+           "float64 forward of the same (rounded) parameters and input. All implementations "
+           "hold identical parameters; eval uses running statistics primed from one batch.",
+           COLUMNS_LEGEND]
     if any(r["mode"] == TRAIN_STEP for r in rows):
-        text += " " + STEP_LEGEND
-    if any(is_autocast(r) for r in rows):
-        text += " " + AMP_LEGEND.format(device="cuda" if on_cuda(env) else "cpu")
-    text += " " + (MEMORY_LEGEND if on_cuda(env) else
-                   "peak MiB: measured on CUDA only (n/a in a CPU dry run).")
-    if host:
+        out.append(STEP_LEGEND)
+    if any(is_autocast(r) for r in rows) or any(is_autocast(r) for r in heads):
+        out.append(AMP_LEGEND.format(device="cuda" if on_cuda(env) else "cpu"))
+    out.append(MEMORY_LEGEND if on_cuda(env) else
+               "peak MiB: measured on CUDA only (n/a in a CPU dry run).")
+    if doc.get("host_time"):
         how = ("time.perf_counter around each Python call of a forward (under torch.no_grad()) "
                "while a spin kernel queued ahead keeps the GPU busy, so calls only queue their "
                "kernels: host time (Python, dispatch, allocation, launches), no GPU time; median "
                "over rounds of back-to-back calls after warm-up" if on_cuda(env)
                else "time.perf_counter around whole CPU calls (dry run: no GPU)")
-        text += f" Host time: {how}."
-    return text
+        out.append(f"Host time: {how}.")
+    if heads:
+        out.append(real_heads_legend(heads))
+    if doc.get("softmax"):
+        out.append("Softmax: each call alone, L2 flushed before it (a buffer larger than L2 "
+                   "overwritten, as triton.testing.do_bench does); GB/s count bytes read + "
+                   "written; 'of copy' = the share of tensor.copy_'s bandwidth.")
+    if (doc.get("distributed") or {}).get("results"):
+        out.append(DISTRIBUTED_LEGEND)
+    return out
 
 
-def text_report(env: dict, rows, softmax, copy, host=()) -> str:
-    ts, notes = tables(env, rows, softmax, copy, host)
+def _seconds(env: dict) -> str:
+    parts = [f"{SECTION_NAMES[k]} {v:.0f} s" for k, v in (env.get("sections_s") or {}).items()]
+    total = env.get("elapsed_s")
+    return ("" if total is None else f" in {total:.0f} s") + (
+        f" ({', '.join(parts)})" if parts else "")
+
+
+def text_report(doc: dict) -> str:
+    env = doc["env"]
+    ts, notes = tables(doc)
     parts = [f"epifuse benchmark -- {env.get('gpu')} | torch {env.get('torch')} | CUDA "
              f"{env.get('cuda')} | {env.get('date')}", ""]
     for title, headers, cells, left in ts:
         parts += [title, table(headers, cells, left, markdown=False), ""]
+    dist = distributed_text(doc, markdown=False)
+    if dist is not None:
+        parts += [DISTRIBUTED_TITLE, dist, ""]
     if notes.items:
         parts += ["Notes:", *(f"[{i + 1}] {t}" for i, t in enumerate(notes.items)), ""]
-    return "\n".join(parts + [legend(env, rows, host)])
+    return "\n".join(parts + legend(doc))
 
 
-def markdown_report(env: dict, settings: dict, rows, softmax, copy, charts: Sequence[str] = (),
-                    md_path: Optional[str] = None, host=()) -> str:
-    ts, notes = tables(env, rows, softmax, copy, host)
+def markdown_report(doc: dict, charts: Sequence[str] = (), md_path: Optional[str] = None) -> str:
+    """The whole page (BENCHMARKS.md) of one run."""
+    env, settings = doc["env"], doc.get("settings") or {}
+    ts, notes = tables(doc)
     commands = env.get("commands") or [env.get("command")]
     lines = [
-        "# epifuse benchmark", "",
+        "# epifuse benchmarks", "",
+        "Generated, whole, by one command on a GPU machine (`scripts/bench.sh --markdown "
+        "BENCHMARKS.md`; the code is in `benchmarks/`, the charts in `BENCHMARKS-charts/`); "
+        "edit the generator, not this page. Every number below is from the run named here; "
+        "earlier runs are in git's history.", "",
+        "## Environment", "",
         f"- GPU: **{env.get('gpu')}**" + (
             f" ({env['capability']}, {env.get('sm_count')} SMs, {env.get('gpu_memory_gib')} GiB, "
-            f"driver {env.get('driver') or 'unknown'})" if env.get("capability") else ""),
+            f"driver {env.get('driver') or 'unknown'}; {env.get('gpu_count')} GPU(s) in the "
+            "machine)" if env.get("capability") else ""),
         f"- PyTorch {env.get('torch')}, CUDA {env.get('cuda')}, Python {env.get('python')}",
-        f"- Date: {env.get('date')}"
-        + (f" (with results reused from a run on {env['resumed_from']})"
-           if env.get("resumed_from") else "")
-        + (f", epifuse commit `{env['git_commit']}`" if env.get("git_commit") else ""),
-        "- Command" + ("s (in this order; later ones reused the earlier results):"
-                       if len(commands) > 1 else ":"),
-        "", "  ```", *(f"  {c}" for c in commands), "  ```", ""]
+        f"- epifuse {env.get('epifuse_version')}, commit `{env.get('git_commit') or 'unknown'}`"
+        + (f" (library: {env['epifuse_build']})" if env.get("epifuse_build") else ""),
+        f"- Run: {env.get('date')}{_seconds(env)}"
+        + (f"; with results reused from a run on {env['resumed_from']}"
+           if env.get("resumed_from") else ""),
+        "- Command" + ("s (in this order; later ones reused the earlier results): "
+                       if len(commands) > 1 else ": ") + ", ".join(f"`{c}`" for c in commands),
+        f"- Timing: median of {settings.get('iters')} calls (fewer for slow calls, at least "
+        f"{settings.get('min_iters')}) after {settings.get('warmup')} warm-up calls", ""]
     if settings.get("dry_run"):
         lines += ["**Dry run on the CPU at tiny sizes (`--device cpu`): the timings only test "
                   "the benchmark's plumbing.**", ""]
-    lines += [
-        "Method: forward passes under `torch.no_grad()` (training steps: forward + backward "
-        "with autograd, see below); each time is the median of "
-        f"{settings.get('iters')} (or fewer for slow calls, at least {settings.get('min_iters')}) "
-        f"{timer_name(env)} timings after {settings.get('warmup')} warm-up calls, cycling several "
-        "distinct inputs so that the activations do not stay in L2; ours, eager and compile take "
-        "turns in 3 rounds of a third of the calls each, so that a slow spell of the machine "
-        "falls on all of them. fp32 rows: `fp32-ieee` = TF32 off "
-        "(`torch.set_float32_matmul_precision('highest')`, `ModelNew(precision='ieee')`), "
-        "`fp32-3xtf32` = ours in 3xTF32 (`precision='3xtf32'`) against PyTorch in IEEE fp32, "
-        "`fp32-tf32` = TF32 on for both (`'high'` / `precision='tf32'`). All implementations "
-        "hold identical parameters; eval uses running statistics primed from one batch. "
-        "In train mode every call updates the running statistics; the error check runs on fresh "
-        "copies with identical state.", ""]
+    kb_titles = {FORWARD_TITLE, STEP_TITLE, AMP_FORWARD_TITLE, AMP_STEP_TITLE, GEMM_TITLE,
+                 HOST_TITLE}
+    if any(t[0] in kb_titles or t[0].startswith("M sweep") for t in ts):
+        problems = sorted({r["problem"] for r in doc.get("cases") or []}, reverse=True)
+        lines += ["## KernelBench problems " + " and ".join(map(str, problems)), "",
+                  "ModelNew (`epifuse.problems`) against the reference Model, eager and "
+                  "torch.compile, at the problems' KernelBench sizes.", ""]
     for title, headers, cells, left in ts:
-        lines += [f"## {title}", "", table(headers, cells, left, markdown=True), ""]
+        level = "###" if title in kb_titles or title.startswith("M sweep") else "##"
+        lines += [f"{level} {title}", "", table(headers, cells, left, markdown=True), ""]
+    dist = distributed_text(doc, markdown=True)
+    if dist is not None:
+        lines += [f"## {DISTRIBUTED_TITLE}", "", dist, ""]
     if notes.items:
-        lines += ["Notes:", ""] + [f"[{i + 1}] {t}  " for i, t in enumerate(notes.items)] + [""]
-    lines += [legend(env, rows, host), ""]
+        lines += ["## Notes", ""] + [f"[{i + 1}] {t}  " for i, t in enumerate(notes.items)] + [""]
+    lines += ["## Legend", ""]
+    for paragraph in legend(doc):
+        lines += [paragraph, ""]
+    if charts:
+        lines += ["## Charts", ""]
     for chart in charts:
         target = chart if not md_path else os.path.relpath(
             os.path.abspath(chart), os.path.dirname(os.path.abspath(md_path)))
         lines += [f"![{os.path.basename(chart)}]({target})", ""]
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip() + "\n"
 
 
 # --------------------------------------------------------------------------- environment
@@ -481,42 +647,56 @@ def environment(device: torch.device) -> dict:
                      "sm_count": props.multi_processor_count,
                      "gpu_memory_gib": round(props.total_memory / 2**30, 1),
                      "l2_cache_mib": round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
-                     "driver": driver.splitlines()[0] if driver else None})
+                     "driver": driver.splitlines()[0] if driver else None,
+                     "gpu_count": torch.cuda.device_count()})
     else:
         info["gpu"] = f"none (CPU dry run: {platform.processor() or platform.machine()})"
+        info["gpu_count"] = torch.cuda.device_count()
     import epifuse
-    from epifuse._library import build_info
 
-    build = build_info()  # the library's own record: its commit may predate git_commit's
+    # The library's own record (its commit may predate git_commit's), where the package exports
+    # it as epifuse.build_info().
+    build = epifuse.build_info() if hasattr(epifuse, "build_info") else None
     info.update({"epifuse_version": epifuse.__version__,
                  "epifuse_build": build.summary() if build else None,
-                 "epifuse_cuda_kernels": epifuse.ops.has_cuda_kernels(),
+                 "epifuse_cuda_kernels": _has_cuda_kernels(),
                  "epifuse_path": os.path.dirname(epifuse.__file__)})
     return info
 
 
+def _has_cuda_kernels() -> bool:
+    """Whether the loaded library has CUDA kernels (its GEMM op's, as a stand-in for all)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("epifuse::gemm_affine", "CUDA")
+
+
 # --------------------------------------------------------------------------- charts
 
-COLORS = {"ours": "#1f77b4", "eager": "#ff7f0e", "compile": "#2ca02c", "torch": "#ff7f0e"}
+COLORS = {"ours": "#1f77b4", "eager": "#ff7f0e", "compile": "#2ca02c", "torch": "#ff7f0e",
+          "vs eager": "#ff7f0e", "vs compile": "#2ca02c"}
+CHARTS = ("bench.png", "bench-train-step.png", "bench-sweep.png", "real-heads.png", "softmax.png")
 
 
 def impls_drawn(rows: Sequence[dict]) -> list[str]:
     """ours and eager always; compile only where it was timed (not under --no-compile)."""
-    return ["ours", "eager"] + (["compile"] if any(r["compile_timed"] for r in rows) else [])
+    return ["ours", "eager"] + (["compile"] if any(r.get("compile_timed") for r in rows) else [])
 
 
-def _panels(rows, key, label) -> dict:
+def _panels(rows, key, label, keep=lambda r: not r.get("skipped")) -> dict:
     out: dict = {}
     for r in rows:
-        if not r.get("skipped"):
+        if keep(r):
             out.setdefault(key(r), []).append(r)
     return {k: (v, [label(r) for r in v]) for k, v in out.items()}
 
 
-def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None]) -> list[str]:
-    """bench.png, bench-train-step.png, bench-sweep.png and softmax.png (those with data) in
-    ``out_dir``: grouped bars, a panel per shape (sweep: per dtype and mode; softmax: per dtype);
-    [] with a message without matplotlib."""
+def _rh_ratio(r: dict, series: str) -> Optional[float]:
+    return real_heads_speedup(r, series.removeprefix("vs "))
+
+
+def draw(out_dir: str, doc: dict, log: Callable[[str], None]) -> list[str]:
+    """The charts with data (``CHARTS``) in ``out_dir``: grouped bars, a panel per shape (sweep:
+    per dtype and mode; real heads: per model, ours' speed-up; softmax: per dtype); [] with a
+    message without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -524,6 +704,9 @@ def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None
     except ImportError:
         log("matplotlib is not installed, so no chart was drawn (pip install matplotlib)")
         return []
+    env, rows = doc["env"], doc.get("cases") or []
+    heads, softmax, copy = doc.get("real_heads") or [], doc.get("softmax") or [], doc.get(
+        "copy_bandwidth")
     forwards, steps, sweep = split(rows)
 
     def shape(r: dict) -> str:
@@ -537,6 +720,10 @@ def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None
         ("bench-sweep.png", _panels(sweep, lambda r: f"{r['dtype']} {r['mode']}, problem 84, "
                                     f"{r['K']}->{r['N']}", lambda r: str(r["M"])),
          impls_drawn(rows), ms, "ms per forward, by batch M"),
+        ("real-heads.png", _panels(heads, lambda r: f"{r['model']}, batch {r['batch']}",
+                                   lambda r: f"{r['dtype']}\n{r['mode']}", keep=lambda r: True),
+         ["vs eager"] + (["vs compile"] if any(r.get("compile_timed") for r in heads) else []),
+         _rh_ratio, "ours' speed-up (x)"),
         ("softmax.png", _panels(softmax, lambda r: f"row softmax {r['dtype']}",
                                 lambda r: f"{r['M']}x{r['N']}"), ["ours", "torch"],
          softmax_gbps, "GB/s (read + write)")]
@@ -546,7 +733,7 @@ def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None
             continue
         try:
             fig, axes = plt.subplots(len(panels), 1, squeeze=False, figsize=(
-                max(8, 1.3 * max(len(p[0]) for p in panels.values())), 3.6 * len(panels)))
+                max(8, 1.1 * max(len(p[0]) for p in panels.values())), 3.6 * len(panels)))
             width = 0.8 / len(impls)
             for ax, (title, (rs, labels)) in zip(axes[:, 0], panels.items()):
                 values = []
@@ -557,22 +744,45 @@ def draw(out_dir: str, env: dict, rows, softmax, copy, log: Callable[[str], None
                            width, label=impl, color=COLORS[impl])
                 if value is softmax_gbps and copy and copy.get("gbps"):
                     ax.axhline(copy["gbps"], color="gray", linestyle=":", label="tensor.copy_")
+                if value is _rh_ratio:
+                    ax.axhline(1.0, color="gray", linestyle=":")
                 positive = [v for v in values if v > 0]
                 if value is ms and positive and max(positive) / min(positive) > 20:
                     ax.set_yscale("log")
-                ax.set_xticks(range(len(rs)), labels, fontsize=8)
+                ax.set_xticks(range(len(rs)), labels, fontsize=7)
                 ax.set(ylabel=unit, title=title)
                 ax.grid(axis="y", alpha=0.3)
                 ax.legend(fontsize=8)
             fig.suptitle(f"epifuse {name[:-4]} -- {env.get('gpu')}, torch {env.get('torch')}, "
                          f"CUDA {env.get('cuda')}", fontsize=10)
             fig.tight_layout()
-            fig.savefig(os.path.join(out_dir, name), dpi=110, bbox_inches="tight")
+            fig.savefig(os.path.join(out_dir, name), dpi=100, bbox_inches="tight")
             plt.close(fig)
             paths.append(os.path.join(out_dir, name))
         except Exception as e:  # noqa: BLE001 -- a chart must never lose the numbers
             log(f"chart {name} failed: {type(e).__name__}: {e}")
     return paths
+
+
+def write_markdown(doc: dict, path: str, log: Callable[[str], None]) -> list[str]:
+    """The page at ``path``, its charts (with matplotlib) in ``<stem>-charts/`` beside it,
+    replacing the charts an earlier run left there; the paths written."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    chart_dir = os.path.splitext(path)[0] + "-charts"
+    for old in glob.glob(os.path.join(chart_dir, "*.png")):  # a page's charts are its run's
+        os.remove(old)
+    os.makedirs(chart_dir, exist_ok=True)
+    charts = draw(chart_dir, doc, log)
+    if not os.listdir(chart_dir):
+        os.rmdir(chart_dir)
+    text = markdown_report(doc, charts, path)
+    lines = text.count("\n")
+    if lines > PAGE_MAX_LINES:
+        log(f"note: {path} has {lines} lines, more than the page's {PAGE_MAX_LINES}")
+    with open(path, "w") as f:
+        f.write(text)
+    return [path] + charts
 
 
 # --------------------------------------------------------------------------- a report again
@@ -589,23 +799,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     with open(args.bench_json) as f:
         doc = json.load(f)
-    env, rows, host = doc["env"], doc["cases"], doc.get("host_time") or []
-    softmax, copy = doc.get("softmax") or [], doc.get("copy_bandwidth")
     if not doc.get("complete", True):
         print(f"note: {args.bench_json} is from a run that did not finish", file=sys.stderr)
-    print(text_report(env, rows, softmax, copy, host))
+    print(text_report(doc))
     if args.markdown:
-        path = os.path.abspath(args.markdown)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        chart_dir = os.path.splitext(path)[0] + "-charts"
-        os.makedirs(chart_dir, exist_ok=True)
-        charts = draw(chart_dir, env, rows, softmax, copy, lambda m: print(m, file=sys.stderr))
-        if not os.listdir(chart_dir):
-            os.rmdir(chart_dir)
-        with open(path, "w") as f:
-            f.write(markdown_report(env, doc.get("settings") or {}, rows, softmax, copy, charts,
-                                    path, host))
-        print(f"wrote: {', '.join([args.markdown] + charts)}", file=sys.stderr)
+        written = write_markdown(doc, args.markdown, lambda m: print(m, file=sys.stderr))
+        print(f"wrote: {', '.join(written)}", file=sys.stderr)
     return 0
 
 

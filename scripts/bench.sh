@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # scripts/bench.sh -- the epifuse benchmark: `python -m benchmarks ARGS` (benchmarks/).
 #
-#   scripts/bench.sh                         # everything at KernelBench sizes (GPU)
+#   scripts/bench.sh --markdown BENCHMARKS.md  # the whole page in one run (GPU machine: ~4-5 min
+#                                              # on one H100/H200, ~1-2 min more with 2 GPUs)
+#   scripts/bench.sh --device cpu --quick --markdown /tmp/x.md   # dry run without a GPU
 #   scripts/bench.sh --quick --no-compile    # a fast smoke run
-#   scripts/bench.sh --device cpu --quick    # dry run without a GPU (tiny sizes)
-#   scripts/bench.sh --markdown BENCHMARKS.md
-#   scripts/bench.sh --problems 84 39 --dtype amp   # torch.autocast columns (amp-bf16, amp-fp16)
+#   scripts/bench.sh --problems 84 --dtype amp --modes train-step   # a part of it
 #   python -m benchmarks.report bench-out/bench.json --markdown BENCHMARKS.md   # report again
 #   scripts/bench.sh --help                  # all options
 #
-# Assumes epifuse was built (and installed) by scripts/build.sh. The working
-# tree's python/ is used when its compiled library is there (build.sh puts it
-# there), so the benchmark always matches the checkout. Runs from any folder;
-# output: bench-out/ in the repository (or --out).
+# Sections: KernelBench problems 84 and 39 (forwards, training steps; PyTorch's default fp32
+# precision, TF32, bf16 and fp16 autocast; vs eager and torch.compile), real heads, softmax, and
+# data-parallel steps when the machine has 2 GPUs or more. Each prints its time estimate first.
+# Assumes epifuse was built (and installed) by scripts/build.sh. The working tree's python/ is
+# used when its compiled library is there (build.sh puts it there), so the benchmark always
+# matches the checkout. Runs from any folder; output: bench-out/ in the repository (or --out).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # --help: the comment block above, without building, installing or writing anything.

@@ -2,6 +2,8 @@
 """Driver for scripts/profile_nsys.sh: runs one epifuse problem (ModelNew, or the
 reference Model) for warm-up + N timed iterations inside NVTX ranges.
 
+Problems, dtypes and precisions are spelled as for ``python -m epifuse`` (epifuse.cli's table).
+
   --profiler nsys   just run; nsys (started by profile_nsys.sh with
                     --capture-range=cudaProfilerApi) records the timed iterations
   --profiler torch  fallback: record with torch.profiler, print the per-kernel
@@ -15,18 +17,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import sys
 import time
 import warnings
 
-PROBLEMS = {
-    "84": "gemm_bn_scale_softmax",
-    "39": "gemm_scale_bn",
-}
-DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
-          "bf16": "bfloat16", "bfloat16": "bfloat16"}
+MODES = ("train", "eval")
 
 
 class DriverError(Exception):
@@ -34,17 +30,24 @@ class DriverError(Exception):
 
 
 def parse_args(argv):
+    """Options only: the words are checked against epifuse.cli's spelling table once epifuse is
+    imported (``resolve``), so that --help answers without a built library."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("problem", nargs="?", default="84",
-                   help="84 (gemm_bn_scale_softmax) or 39 (gemm_scale_bn), or the module name")
-    p.add_argument("--mode", choices=["train", "eval"], default="train")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    # epifuse.precision.ALIASES's names (not imported here: that loads the library before --help)
-    p.add_argument("--precision", choices=["3xtf32", "highest", "ieee", "tf32", "high", "medium"],
-                   default="tf32",
-                   help="fp32 GEMM precision of ModelNew; the reference Model runs at 'highest' "
-                        "for 3xtf32/highest/ieee, else 'high' (torch.set_float32_matmul_precision)")
+    p.add_argument("words", nargs="*", metavar="PROBLEM|MODE",
+                   help="the problem as python -m epifuse spells it (84, 39, "
+                        "gemm_bn_scale_softmax, gemm_scale_bn; default 84) and/or the mode "
+                        "(train, eval)")
+    p.add_argument("--mode", choices=MODES, default=None, help="train (default) or eval")
+    p.add_argument("--dtype", default="fp32",
+                   help="as python -m epifuse spells it (epifuse.cli): fp32|float32, "
+                        "bf16|bfloat16, fp16|float16|half, fp32-<precision>, amp-bf16 / amp-fp16 "
+                        "(an fp32 model "
+                        "under torch.autocast); default fp32")
+    p.add_argument("--precision", default="tf32",
+                   help="fp32 GEMM precision of ModelNew, as python -m epifuse spells it (ieee, "
+                        "3xtf32, tf32, or torch's highest, high, medium; default tf32); the "
+                        "reference Model runs at torch's matching setting (highest or high)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default: the problem's)")
     p.add_argument("--in-features", type=int, default=None)
     p.add_argument("--out-features", type=int, default=None)
@@ -55,53 +58,87 @@ def parse_args(argv):
     p.add_argument("--profiler", choices=["nsys", "torch"], default="torch")
     p.add_argument("--out", default="profile-out", help="output folder (Chrome trace)")
     p.add_argument("--tag", default=None, help="file name stem (default derived from the options)")
-    p.add_argument("--check", action="store_true", help="only build the model and inputs, then exit")
+    p.add_argument("--check", action="store_true",
+                   help="only build the model and inputs, print the report's file name stem, "
+                        "and exit")
     return p.parse_args(argv)
 
 
-def problem_module(name):
-    mod_name = PROBLEMS.get(name, name)
+def _import_epifuse():
     try:
-        return importlib.import_module(f"epifuse.problems.{mod_name}")
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("epifuse.problems."):
-            raise DriverError(f"unknown problem {name!r}; use one of: "
-                              + ", ".join(f"{k} ({v})" for k, v in PROBLEMS.items())) from None
-        raise DriverError(f"cannot import epifuse ({e}); run scripts/build.sh first") from None
+        import epifuse  # noqa: F401
+        from epifuse import cli, problems
     except ImportError as e:
         hint = "" if "build" in str(e) else "; run scripts/build.sh first"
         raise DriverError(f"cannot import epifuse: {e}{hint}") from None
+    return cli, problems
 
 
-def build(args, torch):
-    mod = problem_module(args.problem)
+def resolve(args):
+    """The problem number, mode and dtype column of the command line, through epifuse.cli (the
+    one spelling table of every command line)."""
+    cli, _ = _import_epifuse()
+    problem, mode = None, args.mode
+    for word in args.words:
+        if word in MODES:
+            if mode not in (None, word):
+                raise DriverError(f"two modes given: {mode} and {word}")
+            mode = word
+            continue
+        try:
+            numbers = cli.parse_problem(word)
+        except ValueError as e:
+            raise DriverError(str(e)) from None
+        if len(numbers) != 1:
+            raise DriverError(f"{word!r}: profile one problem at a time")
+        (number,) = numbers
+        if problem not in (None, number):
+            raise DriverError(f"two problems given: {problem} and {number}")
+        problem = number
+    try:
+        column = cli.column(args.dtype)
+        if column.dtype == "fp32" and column.precision is None:
+            column = cli.Column("fp32", cli.parse_precision(args.precision))
+    except ValueError as e:
+        raise DriverError(str(e)) from None
+    return problem or 84, mode or "train", column
+
+
+def stem(args, number, mode, column):
+    """The report's file name stem, e.g. ``p84_train_fp32-tf32_new``."""
+    if args.tag:
+        return args.tag
+    return f"p{number}_{mode}_{column.name}_{args.model}"
+
+
+def build(args, torch, number, mode, column):
+    cli, problems = _import_epifuse()
+    mod = problems.BY_NUMBER[number]
     cuda = torch.cuda.is_available()
-    # KernelBench convention: get_inputs()/get_init_inputs() read the module constants.
-    if args.batch is not None:
-        mod.batch_size = args.batch
-    if args.in_features is not None:
-        mod.in_features = args.in_features
-    if args.out_features is not None:
-        mod.out_features = args.out_features
+    sizes = (args.batch or mod.batch_size, args.in_features or mod.in_features,
+             args.out_features or mod.out_features)
     if not cuda and args.batch is None and args.in_features is None and args.out_features is None:
-        mod.batch_size, mod.in_features, mod.out_features = 256, 512, 512
-        if hasattr(mod, "scale_shape") and tuple(getattr(mod, "scale_shape")) != (1,):
-            mod.scale_shape = (mod.out_features,)
+        sizes = (256, 512, 512)
         print("[profile] no CUDA device: CPU reference path at a small size "
-              f"(batch {mod.batch_size}, {mod.in_features} -> {mod.out_features})")
+              f"(batch {sizes[0]}, {sizes[1]} -> {sizes[2]})")
+    batch, init = cli.init_inputs(mod, sizes)
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = getattr(torch, DTYPES[args.dtype])
-    fp32_accurate = args.precision in ("3xtf32", "highest", "ieee")
-    torch.set_float32_matmul_precision("highest" if fp32_accurate else "high")
+    torch.set_float32_matmul_precision(column.torch_matmul_precision)
     torch.manual_seed(0)
     if args.model == "new":
-        model = mod.ModelNew(*mod.get_init_inputs(), precision=args.precision)
+        model = mod.ModelNew(*init, precision=column.precision)
     else:
-        model = mod.Model(*mod.get_init_inputs())
-    model = model.to(device=device, dtype=dtype)
-    model.train(args.mode == "train")
-    inputs = [t.to(device=device, dtype=dtype) if torch.is_tensor(t) else t for t in mod.get_inputs()]
-    return mod, model, inputs, device
+        model = mod.Model(*init)
+    model = model.to(device=device, dtype=column.torch_dtype)
+    model.train(mode == "train")
+    x = torch.rand(batch, init[0]).to(device=device, dtype=column.torch_dtype)
+    if column.autocast_dtype is not None:
+        inner, amp = model, column.autocast_dtype
+
+        def model(t):
+            with torch.autocast(device.type, dtype=amp):
+                return inner(t)
+    return mod, model, [x], device
 
 
 def run_iters(model, inputs, n, torch, cuda, label):
@@ -193,17 +230,18 @@ def main(argv):
     cuda = torch.cuda.is_available()
     if args.profiler == "nsys" and not cuda:
         raise DriverError("no CUDA device visible: nothing for Nsight Systems to record")
-    mod, model, inputs, device = build(args, torch)
+    number, mode, column = resolve(args)
+    mod, model, inputs, device = build(args, torch, number, mode, column)
+    name = stem(args, number, mode, column)
     if args.check:
+        print(name)
         return 0
-    stem = args.tag or f"{mod.__name__.rsplit('.', 1)[-1]}_{args.model}_{args.mode}_{args.dtype}" + (
-        f"_{args.precision}" if args.dtype == "fp32" else "")
-    label = f"epifuse.{args.model}.{args.mode}"
-    print(f"[profile] {mod.__name__}.{'ModelNew' if args.model == 'new' else 'Model'} {args.mode} "
-          f"{args.dtype}{' ' + args.precision if args.dtype == 'fp32' else ''} on {device}; "
-          f"x {tuple(inputs[0].shape)}; warm-up {args.warmup}, iterations {args.iters}")
+    label = f"epifuse.{args.model}.{mode}"
+    print(f"[profile] {mod.__name__}.{'ModelNew' if args.model == 'new' else 'Model'} {mode} "
+          f"{column.name} on {device}; x {tuple(inputs[0].shape)}; warm-up {args.warmup}, "
+          f"iterations {args.iters}")
 
-    grad = contextlib.nullcontext() if args.mode == "train" else torch.no_grad()
+    grad = contextlib.nullcontext() if mode == "train" else torch.no_grad()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with grad:
         if cuda:
@@ -237,7 +275,7 @@ def main(argv):
                 if cuda:
                     torch.cuda.nvtx.range_pop()
     os.makedirs(args.out, exist_ok=True)
-    trace = os.path.join(args.out, f"{stem}.trace.json")
+    trace = os.path.join(args.out, f"{name}.trace.json")
     prof.export_chrome_trace(trace)
     if cuda:
         print_table(f"GPU kernels over {args.iters} iterations (torch.profiler):",

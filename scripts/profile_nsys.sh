@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # scripts/profile_nsys.sh -- profile ModelNew under Nsight Systems, with NVTX ranges.
 #
-#   scripts/profile_nsys.sh [84|39] [train|eval] [--dtype fp32|fp16|bf16] [--precision 3xtf32|ieee|tf32|...]
-#                           [--batch N] [--iters N] [--warmup N] [--model new|ref] [--out DIR]
+#   scripts/profile_nsys.sh [PROBLEM] [train|eval] [--dtype D] [--precision P] [--batch N]
+#                           [--iters N] [--warmup N] [--model new|ref] [--out DIR]
 #   default: 84 train --dtype fp32 --precision tf32, output ./profile-out
+#   PROBLEM, D and P are spelled as for `python -m epifuse` (84, 39, gemm_scale_bn; fp32, bf16,
+#   fp16, fp32-tf32, amp-bf16; ieee, 3xtf32, tf32, highest, high): scripts/profile_driver.py
+#   checks them against epifuse.cli's table.
 #
-# Writes DIR/p<problem>_<mode>[_<options>].nsys-rep and prints `nsys stats`
+# Writes DIR/p<problem>_<mode>_<dtype>_<model>.nsys-rep and prints `nsys stats`
 # (cuda_gpu_kern_sum, nvtx_sum). The package emits NVTX ranges per stage (GEMM,
 # fold, softmax) because EPIFUSE_NVTX=1 is set here.
 # nsys is taken from $NSYS, PATH, or the usual install folders. Without nsys (or
@@ -21,16 +24,12 @@ say() { printf '[profile] %s\n' "$*"; }
 # --help: the comment block above, without building, installing or writing anything.
 usage() { sed -n '2,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 
-problem=84 mode=train out="$ORIG_PWD/profile-out"
-pass=()
+out="$ORIG_PWD/profile-out"
+pass=()  # everything but --out goes to the driver, which reads the words through epifuse.cli
 while (($#)); do
   case "$1" in
-    84|39|gemm_bn_scale_softmax|gemm_scale_bn) problem="$1" ;;
-    train|eval) mode="$1" ;;
     --out|-o) out="$2"; shift ;;
     --out=*) out="${1#--out=}" ;;
-    --mode) mode="$2"; shift ;;
-    --mode=*) mode="${1#--mode=}" ;;
     -h|--help) usage; exit 0 ;;
     *) pass+=("$1") ;;
   esac
@@ -42,7 +41,7 @@ mkdir -p "$out"
 if [[ "${EPIFUSE_PROFILE_BUILD:-0}" == 1 ]]; then "$ROOT/scripts/build.sh"; fi
 PY="$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')"
 export EPIFUSE_NVTX=1
-DRIVER=("$PY" "$ROOT/scripts/profile_driver.py" "$problem" --mode "$mode" "${pass[@]}")
+DRIVER=("$PY" "$ROOT/scripts/profile_driver.py" "${pass[@]}")
 
 fallback() {
   say "falling back to torch.profiler"
@@ -96,11 +95,10 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   fallback
 fi
 
-# Pre-flight: the package imports and the model builds (else report that, once).
-"${DRIVER[@]}" --check >/dev/null || exit 1
-name="p${problem}_${mode}"
-for a in "${pass[@]}"; do name+="_${a#--}"; done
-name="$(printf '%s' "$name" | tr -c 'A-Za-z0-9_.=-' '_' | tr '=' '-')"
+# Pre-flight: the package imports, the words are known and the model builds (else report that,
+# once); its last line is the report's name.
+check="$("${DRIVER[@]}" --check)" || exit 1
+name="$(printf '%s\n' "$check" | tail -n 1 | tr -d '\n' | tr -c 'A-Za-z0-9_.=-' '_')"
 rep="$out/$name"
 log="$out/$name.nsys.log"
 

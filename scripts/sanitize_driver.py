@@ -42,12 +42,12 @@ except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     import epifuse
 
-from epifuse import fold, ops  # noqa: E402
+from epifuse import cli, fold, ops  # noqa: E402
 from epifuse import synced_ops as synced_ops_module  # noqa: E402
 from epifuse.problems import gemm_bn_scale_softmax as p84  # noqa: E402
 from epifuse.problems import gemm_scale_bn as p39  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = cli.TORCH_DTYPES  # fp32, bf16, fp16: the command lines' names (epifuse.cli)
 TOL = {"fp32": 1e-4, "3xtf32": 1e-4, "tf32": 5e-3, "bf16": 3e-2, "fp16": 5e-3}
 
 # (M, N, K). Alignment for the TMA path: K, N multiples of 4 (fp32) / 8 (16-bit).
@@ -103,7 +103,7 @@ def sync_check(label: str, got: torch.Tensor, want: torch.Tensor, tol: float) ->
 def precisions(dtype_id: str):
     if dtype_id != "fp32":
         return [("", dtype_id)]
-    return [("ieee", "fp32"), ("3xtf32", "3xtf32"), ("tf32", "tf32")]
+    return [(p, "fp32" if p == "ieee" else p) for p in cli.PRECISION_ORDER]
 
 
 def gemm_ops(shapes) -> None:

@@ -7,12 +7,14 @@ import pytest
 from benchmarks.cases import (DTYPES, HEAD_SOFTMAX_SHAPE, MODES, SOFTMAX_BYTES, SOFTMAX_DTYPES,
                               TRAIN_STEP, Case, build_plan)
 
+PAGE = ["fp32-3xtf32", "fp32-tf32", "amp-bf16", "amp-fp16"]  # BENCHMARKS.md's columns
 
-def _plan(**overrides):
+
+def _plan(dtypes=None, **overrides):
     kwargs = dict(compile=True, sweep=False, sweep_ms=(), sweep_compile=False, softmax=True,
                   dry=False)
     kwargs.update(overrides)
-    return build_plan([84, 39], list(DTYPES), list(MODES), **kwargs)
+    return build_plan([84, 39], list(dtypes or DTYPES), list(MODES), **kwargs)
 
 
 def test_gemm_alone_on_both_kernelbench_shapes():
@@ -26,7 +28,7 @@ def test_softmax_at_the_head_shape_and_over_row_lengths(dtype):
     m, n = HEAD_SOFTMAX_SHAPE
     assert points.count((n, m)) == 1, "problem 84's own softmax shape"
     sweep = [p for p in points if p != (n, m)]
-    assert [p[0] for p in sweep] == [2 ** i for i in range(6, 17)]
+    assert [p[0] for p in sweep] == [2 ** i for i in range(6, 17, 2)]
     assert all(pn * pm * SOFTMAX_DTYPES[dtype].itemsize == SOFTMAX_BYTES for pn, pm in sweep)
 
 
@@ -41,9 +43,13 @@ def test_dry_plan_is_tiny():
 
 
 def test_kernelbench_reference_first_for_each_shape_and_mode():
-    plan = build_plan([84], ["bf16", "fp32-ieee"], ["eval"], compile=False, sweep=False,
-                      sweep_ms=(), sweep_compile=False, softmax=False, dry=False)
-    assert [c.spec.name for c in plan.cases] == ["fp32-ieee", "bf16"] * 2
+    """Eager fp32 at 'highest' is the KernelBench reference: fp32-ieee's or fp32-3xtf32's."""
+    for ref in ("fp32-ieee", "fp32-3xtf32"):
+        plan = build_plan([84, 39], ["bf16", "amp-fp16", ref], ["eval", "train"], compile=False,
+                          sweep=False, sweep_ms=(), sweep_compile=False, softmax=False, dry=False)
+        assert [c.spec.name for c in plan.cases] == [ref, "bf16", "amp-fp16"] * 4
+        assert [c.spec.kb_reference for c in plan.cases] == [True, False, False] * 4
+    assert not DTYPES["fp32-tf32"].kb_reference and not DTYPES["amp-bf16"].kb_reference
 
 
 def test_train_step_on_every_fixed_shape_and_dtype_but_not_the_sweep():
@@ -68,12 +74,18 @@ def test_sweep_compiles_only_when_asked_and_skips_one_row_training():
 
 
 def test_full_size_plan_size():
-    """The count build_plan's docstring budgets for (63 cases, 10 of them with the GEMM alone:
-    not the autocast columns, whose GEMM is the bf16 / fp16 columns' one)."""
-    plan = _plan(softmax=False)
-    assert len(plan.cases) == 3 * len(MODES) * len(DTYPES) == 63
+    """The count build_plan's docstring budgets for: the page's 24 cases on the 2 KernelBench
+    shapes, 8 of them with the GEMM alone (the fp32 columns' forwards: the autocast columns' GEMM
+    is the bf16 / fp16 one); every column, 42."""
+    plan = _plan(PAGE, softmax=False)
+    assert len(plan.cases) == 2 * len(MODES) * len(PAGE) == 24
+    assert {(c.shape.problem, c.shape.tag) for c in plan.cases} == {(84, "kernelbench"),
+                                                                    (39, "kernelbench")}
+    assert sum(c.gemm_alone for c in plan.cases) == 2 * 2 * 2 == 8
+    every = _plan(softmax=False)
+    assert len(every.cases) == 2 * len(MODES) * len(DTYPES) == 42
     plain = [d for d, spec in DTYPES.items() if spec.autocast is None]
-    assert sum(c.gemm_alone for c in plan.cases) == 2 * 2 * len(plain) == 20
+    assert sum(c.gemm_alone for c in every.cases) == 2 * 2 * len(plain) == 20
 
 
 def test_train_step_is_a_training_mode_and_not_swept():
@@ -99,6 +111,7 @@ def test_host_time_at_the_small_shape_per_dtype_and_forward_mode():
         (84, 128, 1024, 512)}
     assert [(p.spec.name, p.mode) for p in plan.host_points] == [
         (d, m) for m in ("train", "eval") for d in DTYPES]
+    assert {p.shape.tag for p in plan.host_points} == {"kb-small"}
     assert _plan(host_time=False).host_points == []
     no84 = build_plan([39], list(DTYPES), list(MODES), compile=False, sweep=False, sweep_ms=(),
                       sweep_compile=False, softmax=False, dry=False)
@@ -106,3 +119,20 @@ def test_host_time_at_the_small_shape_per_dtype_and_forward_mode():
     steps_only = build_plan([84], ["bf16"], ["train-step"], compile=False, sweep=False,
                             sweep_ms=(), sweep_compile=False, softmax=False, dry=False)
     assert steps_only.host_points == [], "host time is of forwards"
+
+
+def test_the_page_plan_fits_its_time_budget():
+    """The default GPU run (KernelBench, host time, real heads, softmax; the 2-GPU section apart)
+    is estimated well inside the ~8 minutes BENCHMARKS.md's run may take on one H100 / H200."""
+    from benchmarks import real_heads
+    from benchmarks.cases import EST_FIRST_COMPILE_S, estimate_case_s
+    from benchmarks.timing import Settings
+
+    settings = Settings()
+    plan = _plan(PAGE)
+    heads = real_heads.plan(real_heads.MODELS, PAGE, real_heads.modes_for(MODES), dry=False)
+    assert len(heads) == 2 * 4 * 4
+    total = (EST_FIRST_COMPILE_S + sum(estimate_case_s(c, settings, False) for c in plan.cases)
+             + sum(real_heads.estimate_s(c, settings, False) for c in heads)
+             + 0.5 * (len(plan.host_points) + len(plan.softmax_points)))
+    assert 60 < total < 6 * 60, total

@@ -21,8 +21,8 @@ def test_models_fuse_every_linear_batchnorm():
 def test_dry_run_writes_rows(tmp_path):
     md = tmp_path / "real.md"
     assert real_heads.main(["--dry", "--out", str(tmp_path), "--models", "classifier",
-                            "--settings", "fp32", "--modes", "train", "train-step",
-                            "train-step-queued", "--markdown", str(md)]) == 0
+                            "--dtype", "fp32-3xtf32", "--modes", "train", "train-step",
+                            "train-step-queued", "--markdown", str(md), "--no-compile"]) == 0
     rows = json.loads((tmp_path / "real_heads.json").read_text())["rows"]
     assert [(r["model"], r["mode"]) for r in rows] == [("classifier", "train"),
                                                        ("classifier", "train-step"),
@@ -33,9 +33,44 @@ def test_dry_run_writes_rows(tmp_path):
         assert len(r["fused"]) == 2
     assert rows[2]["timings_ms"]["ours"]["calls"] == 3  # the queued step's own timing (dry: 3)
     text = md.read_text()
-    assert "| classifier | fp32 | train | 2 |" in text
-    assert "| classifier | fp32 | train-step-queued | 2 |" in text
+    assert "| classifier | fp32-3xtf32 | train | 2 |" in text
+    assert "| classifier | fp32-3xtf32 | train-step-queued | 2 |" in text
     assert torch.get_float32_matmul_precision() == "highest"  # the run restored it
+
+
+def test_columns_are_the_main_benchmarks():
+    """The same spellings and columns as python -m benchmarks (epifuse.cli); --settings is
+    --dtype's other name."""
+    assert real_heads.parse_args([]).columns == ["fp32-3xtf32", "fp32-tf32", "amp-bf16",
+                                                 "amp-fp16"]
+    assert real_heads.parse_args(["--settings", "float32-high", "amp-half"]).columns == [
+        "fp32-tf32", "amp-fp16"]
+    assert real_heads.parse_args(["--dtype", "fp32"]).columns == ["fp32-3xtf32", "fp32-tf32"]
+    assert real_heads.modes_for(["eval", "train-step"]) == ["eval", "train-step",
+                                                            "train-step-queued"]
+    assert real_heads.modes_for(["train"]) == ["train"]
+
+
+def test_a_tf32_row_runs_its_heads_in_tf32(monkeypatch):
+    """A column's precision reaches the fused heads (epifuse.fuse(precision=...)) and torch's
+    matmul policy the eager side, restored afterwards."""
+    from benchmarks import timing
+    from benchmarks.cases import DTYPES
+
+    seen = {}
+    real_fuse = epifuse.fuse
+
+    def spy(model, *, precision=None):
+        seen["precision"] = precision
+        return real_fuse(model, precision=precision)
+
+    monkeypatch.setattr(epifuse, "fuse", spy)
+    case = real_heads.HeadCase("classifier", DTYPES["fp32-tf32"], "eval", (8, 16, 4), 16, False)
+    row = real_heads.run_case(case, torch.device("cpu"),
+                              timing.Settings(warmup=1, iters=1, min_iters=1))
+    assert seen == {"precision": "tf32"} and row["dtype"] == "fp32-tf32"
+    assert row["timings_ms"]["ours"]["median_ms"] > 0 and "compile" not in row["timings_ms"]
+    assert torch.get_float32_matmul_precision() == "highest"
 
 
 def test_every_case_compiles_afresh(monkeypatch):
@@ -45,13 +80,16 @@ def test_every_case_compiles_afresh(monkeypatch):
     from benchmarks import timing
     events = []
     monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
-    monkeypatch.setattr(torch, "compile", lambda model: events.append("compile") or model)
+    monkeypatch.setattr(torch, "compile",
+                        lambda model, **kw: events.append("compile") or model)
     settings = timing.Settings(warmup=1, iters=1, min_iters=1)
+    from benchmarks.cases import DTYPES
+
     for mode in ("train", "eval"):
-        row = real_heads.run_case("classifier", "fp32", mode, (8, 16, 4), 16,
-                                  torch.device("cpu"), settings, compile_=True)
+        case = real_heads.HeadCase("classifier", DTYPES["fp32-3xtf32"], mode, (8, 16, 4), 16)
+        row = real_heads.run_case(case, torch.device("cpu"), settings)
         assert row["timings_ms"]["compile"]["median_ms"] > 0
-    assert events == ["reset", "compile"] * 2
+    assert events == ["reset", "compile", "reset"] * 2
 
 
 def test_queued_timing_keeps_the_gpu_ahead_of_the_host():

@@ -1,7 +1,9 @@
-"""One vocabulary for `python -m epifuse` and `python -m benchmarks` (epifuse.cli), CPU only.
+"""One vocabulary for every command line (epifuse.cli), CPU only.
 
-The same words select the same problems, dtypes and precisions in both command lines, and
-every precision name of epifuse.precision.ALIASES (ours and torch's) is accepted by both.
+The same words select the same problems, dtypes and precisions in `python -m epifuse`,
+`python -m benchmarks` (and its real heads), scripts/profile_driver.py and the benchmark's
+dtype columns; every precision name of epifuse.precision.ALIASES (ours and torch's) is accepted
+by all.
 """
 
 from __future__ import annotations
@@ -69,13 +71,15 @@ def test_every_precision_alias_is_accepted_by_both(alias):
 def test_defaults():
     # The main job follows torch's fp32 setting, as ModelNew(precision=None) does ...
     assert _main() == cli.Selection((84, 39), (cli.Column("fp32", None),))
-    # ... the benchmark measures every column it knows.
-    assert _bench() == ([84, 39], list(DTYPES))
+    # ... the benchmark measures BENCHMARKS.md's columns: PyTorch's default precision, TF32,
+    # and bf16 / fp16 autocast; --dtype fp32 alone the first two.
+    assert _bench() == ([84, 39], ["fp32-3xtf32", "fp32-tf32", "amp-bf16", "amp-fp16"])
+    assert _bench("--dtype", "fp32")[1] == ["fp32-3xtf32", "fp32-tf32"]
 
 
 def test_bench_columns_are_the_bench_configs():
-    _, dtypes = _bench("--dtype", "all")
-    assert set(dtypes) == set(DTYPES)
+    _, dtypes = _bench("--dtype", "all", "--precision", "ieee", "3xtf32", "tf32")
+    assert set(dtypes) == set(DTYPES) == {c.name for c in cli.all_columns()}
     for column in cli.selection(main_cli.parse_args(["--dtype", "all", "--precision", "ieee",
                                                      "3xtf32", "tf32"]),
                                 default_dtypes=["fp32"], default_fp32_precisions=[None]).columns:
@@ -128,3 +132,60 @@ def test_main_version(capsys):
     with pytest.raises(SystemExit):
         main_cli.parse_args(["--version"])
     assert capsys.readouterr().out.strip() == f"epifuse {epifuse.__version__}"
+
+
+def test_columns_by_name_and_torch_policy():
+    assert cli.column("float32-high") == cli.Column("fp32", "tf32")
+    assert cli.column("amp-half") == cli.Column("amp-fp16")
+    assert cli.column("bfloat16").torch_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="names 2 columns"):
+        cli.column("amp")
+    assert [c.torch_matmul_precision for c in cli.all_columns()] == [
+        "highest", "highest", "high", "highest", "highest", "highest", "highest"]
+    assert cli.torch_matmul_precision("medium") == "high"
+    assert cli.torch_matmul_precision(None) == "highest"
+
+
+def test_init_inputs_resize_a_problem():
+    from epifuse.problems import gemm_bn_scale_softmax as p84, gemm_scale_bn as p39
+
+    assert cli.init_inputs(p84, None) == (p84.batch_size, list(p84.get_init_inputs()))
+    assert cli.init_inputs(p39, (8, 16, 32)) == (8, [16, 32, (32,)])  # the scale follows N
+    batch, args = cli.init_inputs(p84, (8, 16, 32))
+    assert batch == 8 and args[:2] == [16, 32] and args[-1] == (1,)
+
+
+def _profile_driver():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile_driver.py"
+    spec = importlib.util.spec_from_file_location("profile_driver", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], (84, "train", "fp32-tf32")),
+    (["39", "eval", "--dtype", "bfloat16"], (39, "eval", "bf16")),
+    (["gemm_scale_bn", "--precision", "highest"], (39, "train", "fp32-3xtf32")),
+    (["--mode", "eval", "--dtype", "float32-ieee"], (84, "eval", "fp32-ieee")),
+    (["84", "--dtype", "amp-half"], (84, "train", "amp-fp16")),
+])
+def test_profile_driver_reads_the_same_words(argv, expected):
+    driver = _profile_driver()
+    number, mode, column = driver.resolve(driver.parse_args(argv))
+    assert (number, mode, column.name) == expected
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["12"], "unknown problem '12'"),
+    (["--dtype", "double"], "unknown dtype 'double'"),
+    (["--precision", "fp32"], "unknown precision 'fp32'"),
+    (["84", "39"], "two problems"),
+])
+def test_profile_driver_refuses_unknown_words(argv, message):
+    driver = _profile_driver()
+    with pytest.raises(driver.DriverError, match=message):
+        driver.resolve(driver.parse_args(argv))

@@ -7,7 +7,7 @@ ran, and time both forwards. Exit status 1 on any mismatch.
 
 On a CUDA machine the problems run at their KernelBench sizes; without a GPU
 the CPU path runs on a small size. Problems, dtypes and precisions are spelled
-as for ``python -m benchmarks`` (see ``epifuse.cli``). An autocast column
+as for ``python -m benchmarks`` (one table: ``epifuse.cli``). An autocast column
 (``amp-bf16``, ``amp-fp16``) keeps both models and the input in fp32 and runs
 every forward under ``torch.autocast`` (the device's) to that dtype, held to
 that dtype's tolerance.
@@ -57,18 +57,6 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
 
 
-def init_inputs(module, sizes: Optional[tuple[int, int, int]]) -> tuple[int, list]:
-    """The problem's (batch_size, init inputs), resized to ``sizes`` when given."""
-    args = list(module.get_init_inputs())
-    if sizes is None:
-        return module.batch_size, args
-    batch, k, n = sizes
-    resized = [k, n]
-    for a in args[2:]:  # a per-column scale shape follows out_features
-        resized.append((n,) if a == (module.out_features,) else a)
-    return batch, resized
-
-
 def median_ms(fn: Callable[[], object], iters: int, device: torch.device) -> float:
     for _ in range(3):  # warm-up: lazy init, allocator, autotuning
         fn()
@@ -95,7 +83,7 @@ def run_problem(number: int, dtype: torch.dtype, precision: Optional[str], iters
     """``autocast``: run every forward under torch.autocast(device.type, dtype=autocast), with
     ``dtype`` (the models' and input's) float32."""
     module = problems.BY_NUMBER[number]
-    batch, args = init_inputs(module, sizes)
+    batch, args = cli.init_inputs(module, sizes)
     torch.manual_seed(0)
     ref = module.Model(*args)
     torch.manual_seed(0)

@@ -1,6 +1,8 @@
-"""The command-line vocabulary of ``python -m epifuse`` and ``python -m benchmarks``.
+"""The command-line vocabulary of epifuse's command lines: ``python -m epifuse``,
+``python -m benchmarks`` (and its ``real_heads`` and ``distributed``), ``scripts/profile_driver.py``
+(``scripts/profile_nsys.sh``) and ``scripts/sanitize_driver.py``.
 
-One spelling table for both, so a selection typed for one works for the other:
+One spelling table for all, so a selection typed for one works for the others:
 
 * problems  ``--problem`` / ``--problems``: 84, 39, their names, or ``all``;
 * dtypes    ``--dtype`` / ``--dtypes``: fp32 | float32 | float, bf16 | bfloat16,
@@ -12,7 +14,9 @@ One spelling table for both, so a selection typed for one works for the other:
             (ours: ieee, 3xtf32, tf32; torch's: highest, high, medium).
 
 Every list option takes space- and/or comma-separated values (``--dtypes fp32,bf16``
-equals ``--dtype fp32 bf16``).
+equals ``--dtype fp32 bf16``). ``Column`` is one dtype to run; ``Column.torch_matmul_precision``
+the torch policy that its PyTorch baselines run under; ``init_inputs`` a problem's
+``get_init_inputs()`` resized to other shapes.
 """
 
 from __future__ import annotations
@@ -66,6 +70,48 @@ class Column:
     def autocast_dtype(self) -> Optional[torch.dtype]:
         """torch.autocast's dtype for an autocast column; None otherwise."""
         return AUTOCAST_DTYPES.get(self.dtype)
+
+    @property
+    def torch_matmul_precision(self) -> str:
+        """``torch.set_float32_matmul_precision``'s setting that PyTorch's side of a comparison
+        runs under: ``'high'`` (TF32) for the tf32 column, else ``'highest'`` (PyTorch's default;
+        for 3xtf32 the IEEE fp32 that ours is held against)."""
+        return torch_matmul_precision(self.precision)
+
+
+def torch_matmul_precision(precision: Optional[str]) -> str:
+    """torch's fp32 matmul setting for one of our precisions (any spelling; None: torch's
+    default, 'highest')."""
+    return "high" if precision is not None and parse_precision(precision) == _precision.TF32 \
+        else "highest"
+
+
+def all_columns() -> tuple[Column, ...]:
+    """Every column there is: fp32 at each precision (``PRECISION_ORDER``), bf16, fp16, and the
+    autocast ones."""
+    return tuple([Column("fp32", p) for p in PRECISION_ORDER]
+                 + [Column(d) for d in DTYPE_ORDER if d != "fp32"])
+
+
+def column(name: str) -> Column:
+    """One column by name, in any spelling (``fp32-tf32``, ``float32-high``, ``amp-half``)."""
+    parsed = parse_dtype(name)
+    if len(parsed) != 1:
+        raise ValueError(f"{name!r} names {len(parsed)} columns, not one")
+    return Column(*parsed[0])
+
+
+def init_inputs(module, sizes: Optional[tuple[int, int, int]]) -> tuple[int, list]:
+    """A problem module's (batch_size, get_init_inputs()), resized to ``sizes`` = (batch,
+    in_features, out_features) when given (a per-column scale's shape follows out_features)."""
+    args = list(module.get_init_inputs())
+    if sizes is None:
+        return module.batch_size, args
+    batch, k, n = sizes
+    resized = [k, n]
+    for a in args[2:]:
+        resized.append((n,) if a == (module.out_features,) else a)
+    return batch, resized
 
 
 def problem_names() -> dict[int, str]:
@@ -151,8 +197,17 @@ def add_selection_arguments(parser: argparse.ArgumentParser, *, default_dtypes: 
         "--problem", "--problems", dest="problems", nargs="+", type=_items(parse_problem),
         metavar="P", help="KernelBench problems: 84, 39, gemm_bn_scale_softmax, gemm_scale_bn "
                           "or all (space or comma separated; default all)")
+    add_dtype_arguments(parser, default_dtypes=default_dtypes,
+                        default_precisions=default_precisions)
+
+
+def add_dtype_arguments(parser: argparse.ArgumentParser, *, default_dtypes: str,
+                        default_precisions: str, aliases: Sequence[str] = ()) -> None:
+    """--dtype(s) (and ``aliases``), --precision(s); read them back with ``selection`` or
+    ``columns``."""
     parser.add_argument(
-        "--dtype", "--dtypes", dest="dtypes", nargs="+", type=_items(parse_dtype), metavar="D",
+        "--dtype", "--dtypes", *aliases, dest="dtypes", nargs="+", type=_items(parse_dtype),
+        metavar="D",
         help="fp32|float32, bf16|bfloat16, fp16|float16|half, fp32-<precision> (e.g. "
              "fp32-tf32), amp-bf16 or amp-fp16 (fp32 models and inputs, each call under "
              "torch.autocast to that dtype), amp (both), or all (fp32, bf16, fp16, amp-bf16, "
@@ -173,10 +228,18 @@ class Selection:
 def selection(args: argparse.Namespace, *, default_dtypes: Sequence[str],
               default_fp32_precisions: Sequence[Optional[str]]) -> Selection:
     """What to run: the problems, and the dtype columns (plain fp32 x the precisions)."""
-    problems = _flat(args.problems) or list(BY_NUMBER)
-    pairs = _flat(args.dtypes) or [(d, None) for d in default_dtypes]
+    problems = _flat(getattr(args, "problems", None)) or list(BY_NUMBER)
+    return Selection(tuple(problems), columns(args, default_dtypes=default_dtypes,
+                                              default_fp32_precisions=default_fp32_precisions))
+
+
+def columns(args: argparse.Namespace, *, default_dtypes: Sequence[str],
+            default_fp32_precisions: Sequence[Optional[str]]) -> tuple[Column, ...]:
+    """The dtype columns of ``add_dtype_arguments``' options (plain fp32 x the precisions);
+    ``default_dtypes`` may name whole columns (``fp32-tf32``)."""
+    pairs = _flat(args.dtypes) or [p for d in default_dtypes for p in parse_dtype(d)]
     precisions = _flat(args.precisions) or list(default_fp32_precisions)
-    columns: list[Column] = []
+    out: list[Column] = []
     for dtype, prec in pairs:
         if dtype != "fp32":  # 16-bit, or autocast (torch's matmul precision)
             candidates = [Column(dtype)]
@@ -184,5 +247,5 @@ def selection(args: argparse.Namespace, *, default_dtypes: Sequence[str],
             candidates = [Column(dtype, prec)]
         else:
             candidates = [Column(dtype, p) for p in precisions]
-        columns += [c for c in candidates if c not in columns]
-    return Selection(tuple(problems), tuple(columns))
+        out += [c for c in candidates if c not in out]
+    return tuple(out)

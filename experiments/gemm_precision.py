@@ -1,6 +1,8 @@
 """The GEMM alone at each fp32 precision: speed and error against float64.
 
-    python -m benchmarks.gemm_precision [--problems 84 39] [--promotion 2 4 8 16] [--json F]
+    PYTHONPATH=python python experiments/gemm_precision.py [--problems 84 39]
+                                                           [--promotion 2 4 8 16] [--json F]
+                                                           [--error-sweep K ...]
 
 Rows, each on problem 84's and problem 39's GEMM (z = x . W^T, x ~ U[0, 1), W as nn.Linear
 initializes it, and the same with x + 100, where a column's mean dwarfs its spread):
@@ -8,14 +10,17 @@ initializes it, and the same with x + 100, where a column's mean dwarfs its spre
   cuBLAS SGEMM     torch.mm at 'highest' (IEEE fp32 FFMA): what eager PyTorch runs by default
   cuBLAS TF32      torch.mm with TF32 allowed
   epifuse TF32     gemm_affine(precision='tf32')
-  epifuse 3x       gemm_affine(precision='3xtf32'): the Hopper 3x GEMM (FP16 parts) with promoted sums
-                   (per promotion interval, when --promotion is given)
-  epifuse 3xTF32 sm80   the same op with EPIFUSE_FORCE_SM80=1 (CUTLASS's mma.sync FastF32, TF32 parts)
+  epifuse 3x       gemm_affine(precision='3xtf32'): the Hopper 3x GEMM (FP16 parts) with promoted
+                   sums (per promotion interval, when --promotion is given)
+  epifuse 3xTF32 sm80   the same op with EPIFUSE_FORCE_SM80=1 (CUTLASS's mma.sync FastF32, TF32
+                        parts)
 
 Error = ||C - C64|| / ||C64|| (Frobenius), C64 from float64 operands on the GPU. TFLOP/s count
-2*M*N*K per call, the median of CUDA-event timings (benchmarks.timing, L2 flushed before each call
-as triton.testing.do_bench does). Settings that the library reads once per process
-(EPIFUSE_FORCE_SM80, EPIFUSE_3X_PROMOTION) run in a child process each.
+2*M*N*K per call, the median of CUDA-event timings (L2 flushed before each call as
+triton.testing.do_bench does). Settings that the library reads once per process
+(EPIFUSE_FORCE_SM80, EPIFUSE_3X_PROMOTION) run in a child process each. What it measured, and
+what followed from it (the default promotion interval, the Hopper 3x GEMM over the sm80 one):
+experiments/README.md, "gemm_precision.py".
 """
 
 from __future__ import annotations
@@ -23,15 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from typing import Optional
 
 import torch
 
-from .timing import Settings, l2_flush, measure as time_call
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # holds benchmarks/
 SHAPES = {84: (1024, 8192, 8192), 39: (16384, 4096, 4096)}  # M, K, N
 OFFSET = 100.0
 
@@ -44,13 +47,32 @@ def _operands(m: int, k: int, n: int, seed: int, device) -> tuple[torch.Tensor, 
     return x, w
 
 
+def median_ms(fn, x, reps: int, warmup: int = 3) -> float:
+    """Median CUDA-event time of fn(x), a buffer larger than L2 overwritten before each call."""
+    l2 = getattr(torch.cuda.get_device_properties(x.device), "L2_cache_size", 0) or 0
+    flush = torch.empty(max(256 << 20, 2 * l2), dtype=torch.int8, device=x.device)
+    for _ in range(warmup):
+        fn(x)
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(x)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def _rel_err(c: torch.Tensor, ref: torch.Tensor) -> float:
     return float((c.double() - ref).norm() / ref.norm())
 
 
 def measure(impl: str, problem: int, reps: int) -> dict:
     """One implementation on one problem's GEMM, in this process."""
-    from epifuse import ops
+    import epifuse  # noqa: F401  (loads the op library)
+    ops = torch.ops.epifuse
 
     device = torch.device("cuda")
     m, k, n = SHAPES[problem]
@@ -75,17 +97,16 @@ def measure(impl: str, problem: int, reps: int) -> dict:
         errors[label] = _rel_err(product(xx), ref)
         del ref
     row["rel_err"] = errors
-    ms = time_call(product, [x], device, Settings.fixed(3, reps), flush=l2_flush(device)).median
-    row["ms"] = ms = ms * 1e3
+    row["ms"] = ms = median_ms(product, x, reps)
     row["tflops"] = 2.0 * m * n * k / (ms * 1e-3) / 1e12
     torch.backends.cuda.matmul.allow_tf32 = False
     return row
 
 
 def _child(impl: str, problem: int, reps: int, env: dict) -> Optional[dict]:
-    cmd = [sys.executable, "-m", "benchmarks.gemm_precision", "--child", impl,
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", impl,
            "--problems", str(problem), "--reps", str(reps)]
-    out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
     if out.returncode != 0:
         print(out.stderr[-2000:], file=sys.stderr)
         return None
@@ -114,7 +135,8 @@ def rows(problems: list[int], promotions: list[int], reps: int) -> list[dict]:
 
 def error_sweep(ks: list[int], m: int, n: int, seeds: int = 3) -> list[dict]:
     """Error vs float64 of SGEMM and of this process's 3x GEMM at each K (x and x + 100)."""
-    from epifuse import ops
+    import epifuse  # noqa: F401  (loads the op library)
+    ops = torch.ops.epifuse
 
     device = torch.device("cuda")
     out = []
@@ -145,7 +167,7 @@ def markdown(table: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gemm_precision",
+    ap = argparse.ArgumentParser(prog="experiments/gemm_precision.py",
                                  description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--problems", "--problem", type=int, nargs="+", default=[84, 39],
@@ -159,7 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks.gemm_precision: needs a CUDA GPU", file=sys.stderr)
+        print("experiments/gemm_precision.py: needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.error_sweep:
         for r in error_sweep(args.error_sweep, 1024, 1024):

@@ -1,10 +1,11 @@
 // Store width of the widening passes (benchmarks behind kStoreVec, cpp/kernels/cuda_utils.cuh, and
-// BENCHMARKS.md's "Widening passes"): the affine pass from a 16-bit z to an fp32 output
+// experiments/README.md, "widening_stores.cu"): the affine pass from a 16-bit z to an fp32 output
 // (16384x4096, problem 39 under autocast) in several thread layouts, against fills, copies and the
 // fp32 -> bf16 cast of the same bytes. Standalone (CUDA runtime only, no torch, no CUTLASS):
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a \
-//        benchmarks/kernels/widening_stores.cu -o /tmp/widening_stores && /tmp/widening_stores
+//        experiments/widening_stores.cu -o build/experiments/widening_stores
+//   build/experiments/widening_stores
 //
 // Prints the best of 20 CUDA-event timings per kernel and the bytes moved per second.
 #include <cuda_bf16.h>

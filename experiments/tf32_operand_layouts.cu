@@ -3,7 +3,8 @@
 // A training step's backward in TF32 multiplies transposed views: dX = dZ . W reads W [N, K]
 // along its rows (B MN-major), dW = dZ^T . X reads both dZ and X MN-major. wgmma reads 32-bit
 // operands from shared memory K-major only, and cuBLAS's TF32 kernels for MN-major operands run
-// at ~60% of the K-major rate on an H100/H200 (BENCHMARKS.md, "K-major copies for cuBLAS TF32"),
+// at ~60% of the K-major rate on an H100/H200 (experiments/README.md, "K-major copies for cuBLAS
+// TF32"),
 // so epifuse copies such operands K-major first (transpose.cu): 8 copies, ~286 us of the
 // projection MLP's ~2.3 ms TF32 step. CUTLASS 4.2's RS mainloop takes every layout: an MN-major A
 // goes shared memory -> registers transposed (wgmma with A from registers), a K-major A with an
@@ -11,14 +12,14 @@
 // by the consumers (TransposeB). Here each layout runs on that CUTLASS kernel and on cuBLAS
 // (CUBLAS_COMPUTE_32F_FAST_TF32) beside the K-major SS kernel, at the backward's shapes.
 //
-//   CL=/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/cutlass_library/source
+//   CL=<site-packages>/cutlass_library/source
 //   /usr/local/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -DNDEBUG \
 //        --expt-relaxed-constexpr -I$CL/include -I$CL/tools/util/include \
-//        benchmarks/kernels/tf32_operand_layouts.cu -lcublas -o build/spike/tf32_layouts
+//        experiments/tf32_operand_layouts.cu -lcublas -o build/experiments/tf32_layouts
 //   (a toolkit without cuBLAS: the pip wheel's, NV=<site-packages>/nvidia/cu13,
 //    -I$NV/include -L$NV/lib -l:libcublas.so.13 and LD_LIBRARY_PATH=$NV/lib to run it)
-//   build/spike/tf32_layouts [M N K ...]   (triples; default: the projection MLP's and problem
-//                                           39's backward shapes)
+//   build/experiments/tf32_layouts [M N K ...]   (triples; default: the projection MLP's and
+//                                                 problem 39's backward shapes)
 //
 // D[M, N] (fp32, row-major) = A[M, K] . B[K, N]; "A K" means A's K index is contiguous (row-major
 // [M, K]), "A M" its M index (stored [K, M]); "B K": stored [N, K]; "B N": stored [K, N]. The
@@ -27,7 +28,7 @@
 // 256 MiB memset between calls (L2 flushed). Each CUTLASS result is checked against cuBLAS's on
 // the same operands (max |difference| / max |cuBLAS|: both round to TF32, differently).
 //
-// Result on an H200 (BENCHMARKS.md, "TF32 GEMMs on MN-major operands"): both operands MN-major cost
+// Result on an H200 (experiments/README.md, "tf32_operand_layouts.cu"): both operands MN-major cost
 // 1.5-1.6x the K-major product on either library, B MN-major alone 1.02x at 4096 rows and
 // 1.13-1.15x from 8192, A MN-major alone at most 1.08x; the RS kernels beat cuBLAS only on
 // layouts and shapes the backward does not run after its copies. gemm_dispatch.cu's

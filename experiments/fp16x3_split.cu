@@ -17,15 +17,15 @@
 // time of the splits and of the GEMM at problem 39's and problem 84's shapes, and the error
 // against float64 (cuBLAS DGEMM) beside cuBLAS SGEMM's, for x ~ U[0, 1), x + 100, and a K sweep.
 //
-// Result on an H200 (BENCHMARKS.md, "Round of 2026-11-26, fifth session"): the FP16 GEMM 1.7x
+// Result on an H200 (experiments/README.md, "fp16x3_split.cu"): the FP16 GEMM 1.7x
 // faster (problem 39: 2.35 against 4.05 ms; problem 84: 0.557 against 0.973 ms), its error 0.6-0.8x
 // the TF32 parts' (0.17-0.60x SGEMM's), the split of x 0.6x as long. The library now runs it.
 //
 //   CL=<site-packages>/cutlass_library/source NV=<site-packages>/nvidia/cu13
 //   /usr/local/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -DNDEBUG \
 //        --expt-relaxed-constexpr -I$CL/include -I$CL/tools/util/include -Icpp/include \
-//        -Icpp/kernels -I$NV/include -L$NV/lib benchmarks/kernels/fp16x3_split.cu \
-//        -l:libcublas.so.13 -o build/spike/fp16x3
+//        -Icpp/kernels -I$NV/include -L$NV/lib experiments/fp16x3_split.cu \
+//        -l:libcublas.so.13 -o build/experiments/fp16x3
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

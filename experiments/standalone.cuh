@@ -1,4 +1,4 @@
-// What the standalone GEMM measurements in benchmarks/kernels/ share (each is one nvcc translation
+// What the standalone GEMM measurements in experiments/ share (each is one nvcc translation
 // unit with no torch): the CUDA error check, a deterministic fill and the timer.
 #pragma once
 

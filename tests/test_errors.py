@@ -788,13 +788,12 @@ def test_head_op_for_no_backward_refuses_inputs_requiring_grad(device, request):
                    words("fused_head", "for_backward=False", "requires grad"))
 
 
-@pytest.mark.xfail(strict=True, reason="fused_head's settings are checked by the passes that read "
-                   "them: a bad activation or out_dtype is refused by the last pass, after the "
-                   "training fold has updated the running statistics (cpp/ops/head.cpp)")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("setting", [{"activation": "tanh"}, {"out_dtype": torch.float16}],
                          ids=["activation", "out_dtype"])
 def test_fused_head_refuses_bad_settings_before_updating_anything(setting, device, request):
+    """A setting only the last pass reads is checked before the first pass runs: a refused call
+    has not updated the running statistics."""
     if device == "cuda":
         request.getfixturevalue("healthy_cuda")
     args, kwargs = _sample("fused_head", device, "fp32", 0)

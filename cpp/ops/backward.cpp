@@ -42,8 +42,9 @@ void prepare_activation(PreparedGrad& p, const Tensor& z, const OptTensor& a, co
   p.o.c = p.c.data_ptr<float>();
 }
 
+// z_name: how the op calls z (softmax_grad_rowdot's stands-in is its `out`).
 PreparedGrad prepare_grad(const Tensor& grad, const OptTensor& out, const OptTensor& rowdot,
-                          const Tensor& z, const char* op) {
+                          const Tensor& z, const char* op, const char* z_name = "z") {
   EPIFUSE_CHECK(z.dim() == 2, "epifuse::", op, ": expected z to be 2-D [M, N], got ", z.dim(), "-D");
   PreparedGrad p;
   p.o.z_dtype = to_dtype(z, op);
@@ -54,10 +55,10 @@ PreparedGrad prepare_grad(const Tensor& grad, const OptTensor& out, const OptTen
   auto check_like_z = [&](const Tensor& t, const char* name) {
     check_device(t, op, name, z);
     EPIFUSE_CHECK(t.scalar_type() == g_dtype, "epifuse::", op, ": expected ", name,
-                  " to have dtype ", g_dtype, g_dtype == z.scalar_type() ? " like z" : " like grad",
+                  " to have dtype ", g_dtype, " like ", g_dtype == z.scalar_type() ? z_name : "grad",
                   ", got ", t.scalar_type());
     EPIFUSE_CHECK(t.sizes() == z.sizes(), "epifuse::", op, ": expected ", name, " of shape ",
-                  z.sizes(), " like z, got ", t.sizes());
+                  z.sizes(), " like ", z_name, ", got ", t.sizes());
   };
   check_like_z(grad, "grad");
   p.o.dtype = to_dtype(grad, op);
@@ -107,7 +108,7 @@ Tensor softmax_grad_rowdot(const Tensor& grad, const Tensor& out) {
                 ": expected grad to have dtype ", out.scalar_type(), " like out, got ",
                 grad.scalar_type());
   // prepare_grad takes (out, rowdot) together; rowdot is this op's output, so out stands as z.
-  PreparedGrad p = prepare_grad(grad, std::nullopt, std::nullopt, out, op);
+  PreparedGrad p = prepare_grad(grad, std::nullopt, std::nullopt, out, op, "out");
   if (!out.is_cuda()) return EPIFUSE_REFERENCE(softmax_grad_rowdot)(grad, out);
   const auto guard = guard_for(out, op, "out");
   Tensor rowdot = new_cuda({out.size(0)}, out.options().dtype(at::kFloat));

@@ -122,6 +122,18 @@ Tensor3 training_fold(const Tensor& colsum, const Tensor& colsumsq, int64_t coun
   return fold;
 }
 
+// The settings only the last pass reads, checked before any pass runs: a refused call must not
+// have updated the running statistics already.
+void check_settings(const Tensor& x, const HeadConfig& cfg) {
+  const char* op = "fused_head";
+  activation_from_name(cfg.activation, cfg.negative_slope, op);
+  const at::ScalarType z_dtype = cfg.gemm_dtype.value_or(x.scalar_type());
+  const at::ScalarType out = cfg.out_dtype.value_or(z_dtype);
+  EPIFUSE_CHECK(out == z_dtype || (out == at::kFloat && c10::elementSize(z_dtype) == 2),
+                "epifuse::", op, ": out_dtype must be the GEMM's dtype (", z_dtype,
+                ") or float32 for a 16-bit GEMM, got ", out);
+}
+
 }  // namespace
 
 // x and W as the GEMMs read them: cast to cfg.gemm_dtype (autocast), or as they are; the weight's
@@ -151,6 +163,7 @@ Tensor7 fused_head_forward(const Tensor& x, const Tensor& weight, const OptTenso
   // The weight's 3x split (and 16-bit cast) kept only where no backward follows: eval and no_grad
   // forwards, which see the same weight again; a training step keeps nothing (weight_split_cache.h).
   const WeightOperandsKept keep(!cfg.for_backward);
+  check_settings(x, cfg);
   // Under autocast the autograd kernel hands over x and W already cast (and keeps them for the
   // backward); a direct call casts here.
   const Tensor x_gemm = gemm_input(x, cfg), w_gemm = gemm_weight(weight, cfg);

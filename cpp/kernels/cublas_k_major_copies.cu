@@ -13,7 +13,7 @@ namespace {
 
 // TF32 wgmma reads only K-major tiles, so cuBLAS multiplies MN-major fp32 operands on slower
 // kernels; how much slower depends on which operand is MN-major (H200, cuBLAS 13, the backward's
-// shapes; benchmarks/kernels/tf32_operand_layouts.cu, BENCHMARKS.md "K-major copies for cuBLAS
+// shapes; experiments/tf32_operand_layouts.cu, experiments/README.md "K-major copies for cuBLAS
 // TF32"):
 //   - both (dW = dZ^T . X): 1.5-1.6x the K-major product at every shape measured. One copy
 //     suffices: the smaller operand's (a tie: w's), since x MN-major alone costs at most 1.08x;

@@ -105,7 +105,7 @@ constexpr int kNarrowVec = Vec16<A>::kSize > Vec16<B>::kSize ? Vec16<A>::kSize :
 // make each store instruction write half of every line it touches: the widening pass then ran at
 // 2.3-2.6 TB/s on an H200 against 3.8-4.2 with one store per thread; lane pairs that swap halves
 // so that each instruction writes whole 32-byte sectors but still half lines were slower again
-// (BENCHMARKS.md, "Widening passes"). Reads show no such loss.
+// (experiments/README.md, "widening_stores.cu"). Reads show no such loss.
 template <class In, class Out>
 constexpr int kStoreVec = Vec16<Out>::kSize;
 

@@ -55,7 +55,7 @@ MathMode kernel_math(const GemmProblem& p) {
 // ---- the kind of plan ---------------------------------------------------------------------------
 
 // Where the 3x GEMM (MathMode::k3xTF32) gives way to cuBLAS's SGEMM (both fp32-accurate); the measurements behind the
-// three thresholds are in BENCHMARKS.md, "Kernel selection":
+// three thresholds are in experiments/README.md, "Kernel selection":
 //  - below kSplitMinRows rows the GEMM is bound by reading the weight, which the split makes a
 //    second pass over; SGEMM reads it once.
 //  - at small K, the 3x GEMM's error is not clearly below SGEMM's (it drops lo*lo, ~2^-22 per product,
@@ -106,7 +106,7 @@ bool prefer_stream_k(int64_t rows, int64_t cols, int64_t tile_m, int64_t tile_n,
 // Batches of at most this many rows run the transposed GEMM (Schedule::kSmallM). Below 128 rows the
 // 128x256 tile is mostly padding (8x the useful TF32 math at M = 16); up to a few hundred rows its
 // 128 tiles or fewer leave stream-K to split the K loop into many partial tiles, where the
-// transposed 128x64 tiles are more, smaller units. 384: where the two met on an H200 (BENCHMARKS.md,
+// transposed 128x64 tiles are more, smaller units. 384: where the two met on an H200 (experiments/README.md,
 // "Kernel selection").
 constexpr int64_t kSmallBatchRows = 384;
 
@@ -115,7 +115,7 @@ bool small_batch(const GemmProblem& p) { return p.M <= kSmallBatchRows; }
 // Narrow outputs: where the wide tiles (128x256 over z or z^T) cover only a fraction of the SMs (a
 // projection's 256-column last layer at a batch of 4096: 32 tiles), stream-K cuts every tile's K
 // loop several ways and fixes the partial tiles up; the transposed 128x64 tiles of SmallM are four
-// times as many whole tiles. Measured on an H200 (BENCHMARKS.md, "Kernel selection"): at 32 wide
+// times as many whole tiles. Measured on an H200 (experiments/README.md, "Kernel selection"): at 32 wide
 // tiles SmallM is 27-37% faster in bf16 and TF32; at 64 it is 9-17% faster in bf16 but 12-40%
 // slower in TF32, so 16-bit problems switch at half the SMs and fp32 ones at a quarter.
 // EPIFUSE_NARROW_SMALL_M=0 (DebugSwitches::narrow_small_m) keeps stream-K there (to measure the two).

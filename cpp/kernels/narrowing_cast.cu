@@ -5,7 +5,7 @@
 // weight changes, so its cast is not kept), and aten::to's path (dispatch, _to_copy, empty_strided,
 // copy_, a TensorIterator) cost 12-24 us of host time per cast on the H200 machines against ~5 for
 // an allocation and this one launch; the projection MLP's bf16 step makes four such casts and its
-// forward is host-bound (BENCHMARKS.md). The kernel itself moves the same bytes as PyTorch's.
+// forward is host-bound. The kernel itself moves the same bytes as PyTorch's.
 #include <algorithm>
 #include <type_traits>
 

@@ -20,7 +20,7 @@ namespace epifuse::dispatch {
 // rows, chunked only for the affine epilogue, whose rows are independent) get twice that, since
 // every chunk of x re-reads every chunk of w: fewer re-splits of w. These keep the training steps'
 // peaks within ~1.1x eager's while a chunk stays about one wave of tiles or more (problem 84's
-// weight: four chunks of 2048 rows, 128 tiles each at M = 1024); measured: BENCHMARKS.md, "Kernel
+// weight: four chunks of 2048 rows, 128 tiles each at M = 1024); measured: experiments/README.md, "Kernel
 // selection".
 constexpr size_t kWCopyChunkBytes = size_t(128) << 20;
 constexpr size_t kXCopyChunkBytes = size_t(256) << 20;
@@ -35,7 +35,7 @@ int64_t copy_chunk_rows(int64_t n, size_t row_bytes, size_t budget);
 // SMs, so the last wave's idle SMs cost little), halving the larger of the two chunks each time
 // (balanced chunks hold the fewest split bytes for their tiles). Problem 84's dW (8192 x 8192 from
 // K = 1024): x's and w's splits of 64 MiB each become two chunks of 32 MiB each, four GEMMs of 1024
-// tiles, and the step's peak drops from 1.23x eager's to 1.08x (BENCHMARKS.md).
+// tiles, and the step's peak drops from 1.23x eager's to 1.08x.
 constexpr int64_t kMinChunkTiles = 1024;
 void refine_split_chunks(int64_t M, int64_t N, int64_t& x_chunk, int64_t& w_chunk);
 

@@ -2,7 +2,7 @@
 // from. The configurations themselves (which mode, epilogue and schedule get compiled) are rows of
 // generate_kernels.py, which writes sm90_gemm_kernels.hpp and the sm90_gemm_*.cu instantiations at
 // build time; which one a problem runs is decided in gemm_dispatch.cu (the only place with shape
-// heuristics). The measurements behind these choices: BENCHMARKS.md, "Kernel selection".
+// heuristics). The measurements behind these choices: experiments/README.md, "Kernel selection".
 //
 // Tile choice:
 //  - 128x256 tiles ("Wide"), the widest that two consumer warpgroups hold in registers (128 fp32

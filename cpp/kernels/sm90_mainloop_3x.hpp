@@ -7,7 +7,7 @@
 // power of two into FP16's range; the epilogue scales the product back), which Hopper multiplies
 // at twice the TF32 rate; the loop below also runs TF32 parts (the layout and the order of the
 // wgmmas are the same), which is where it started: FP16 parts measured 1.7x faster at problem
-// 39's and 84's shapes with a smaller error (benchmarks/kernels/fp16x3_split.cu).
+// 39's and 84's shapes with a smaller error (experiments/fp16x3_split.cu).
 //
 // But Hopper's wgmma also aligns each k-group of products to the largest exponent and truncates
 // while it accumulates; one tensor-core accumulator carried over all of K collects that bias
@@ -45,7 +45,7 @@ struct MainloopSm90TmaGmmaWarpSpecialized3x
 
 // Default promotion interval in K-tiles (a runtime argument, EPIFUSE_3X_PROMOTION). With FP16
 // parts, measured on an H200 (max |error| / max |result| against float64, as a ratio to cuBLAS
-// SGEMM's; M = N = 1024 unless said, x ~ U[0, 1); benchmarks/kernels/fp16x3_split.cu):
+// SGEMM's; M = N = 1024 unless said, x ~ U[0, 1); experiments/fp16x3_split.cu):
 //   every K-tile (32 k):  K = 64: 0.40, 128: 0.34, 256: 0.29, 1024: 0.19, 8192: 0.60;
 //                         problem 39's shape 0.20, 2.33 ms; problem 84's 0.17, 0.557 ms
 //   every 2 (64 k):       K = 64: 0.89, 128: 0.77, 256: 0.50, 1024: 0.22, 8192: 0.48;

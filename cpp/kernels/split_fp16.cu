@@ -7,7 +7,7 @@
 // row's largest, 2^-16 of the 2^-24 that SGEMM's rounding costs a sum holding the largest's product). The GEMM's epilogue multiplies
 // the product back by 2^(e_x[m] + e_w[n]), exactly. Against the TF32 split it replaced (same
 // mainloop, TF32 k-blocks): the GEMM 1.7x faster at problem 39's and 84's shapes, the error 0.6-0.8x
-// its (0.15-0.6x SGEMM's), the split half its bytes (benchmarks/kernels/fp16x3_split.cu).
+// its (0.15-0.6x SGEMM's), the split half its bytes (experiments/fp16x3_split.cu).
 //
 // Two paths:
 //  - rows along K, 16-byte aligned, K <= 8192 (the forward's x and weight): one block per row,

@@ -6,7 +6,7 @@ the library and registers the CPU and fake kernels of its ops.
 """
 
 from ._version import __version__
-from ._library import load_library
+from ._library import build_info, load_library
 
 load_library()
 
@@ -19,6 +19,6 @@ from . import nn  # noqa: E402  (epifuse.nn: FusedLinearBatchNorm)
 from .fusion import FuseReport, fuse  # noqa: E402
 from .problems.gemm_bn_scale_softmax import ModelNew  # noqa: E402
 
-__all__ = ["FuseReport", "ModelNew", "__version__", "convert_sync_batchnorm", "distributed",
+__all__ = ["FuseReport", "ModelNew", "__version__", "build_info", "convert_sync_batchnorm", "distributed",
            "fast_path_reason", "fold", "fuse", "head", "nn", "ops", "precision", "problems",
            "softmax"]

@@ -99,12 +99,9 @@ def one_rank_group(tmp_path):
     """A process group of this process alone (gloo for CPU tensors, and NCCL for CUDA ones where
     there are both); yields its group_name, which the synchronized-statistics hooks take."""
     import torch.distributed as dist
+    from helpers import one_rank_group as group_of_one
 
     backend = ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available()
                else "gloo")
-    dist.init_process_group(backend, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
+    with group_of_one(tmp_path, backend) as group_name:
+        yield group_name

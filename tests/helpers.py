@@ -284,3 +284,17 @@ def assert_no_farther_from_float64_than_eager(ref: nn.Module, new: nn.Module, x:
     y64 = twin_again(x.double())
     assert y_new.dtype == y_ref.dtype
     assert rel_err(y_new, y64) <= 1.25 * rel_err(y_ref, y64) + 1e-6
+
+
+@contextlib.contextmanager
+def one_rank_group(tmp_path, backend: str):
+    """A process group of this process alone, on ``backend``; yields its group_name, which the
+    synchronized-statistics hooks take."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()

@@ -17,14 +17,13 @@ references.
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from epifuse import distributed, fold
-from helpers import rel_err, traced_epifuse_ops
+from helpers import one_rank_group, rel_err, traced_epifuse_ops
 
 EPS = 1e-3
 N, ROWS = 6, 9
@@ -55,17 +54,6 @@ def _run_hooks(fold_args, sums, group_name):
     return a, c, moments, global_sums
 
 
-@contextlib.contextmanager
-def _one_rank_group(tmp_path, backend):
-    """A process group of this process alone; yields its group_name."""
-    dist.init_process_group(backend, store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
-
-
 def _collectives(prof) -> list[tuple[str, list]]:
     """The functional collectives issued under the profiler, in order: (name, row shape)."""
     events = sorted((e for e in prof.events() if e.name.startswith("_c10d_functional::")
@@ -90,7 +78,7 @@ def _profiled(fn, *activities):
 
 def test_cpu_hooks_on_one_rank_are_the_unsynchronized_fold(tmp_path):
     fold_args, sums = _inputs("cpu")
-    with _one_rank_group(tmp_path, "gloo") as group_name:
+    with one_rank_group(tmp_path, "gloo") as group_name:
         with traced_epifuse_ops() as calls:
             a, c, moments, global_sums = _run_hooks(fold_args, sums, group_name)
     # The C++ composites on CPU tensors too: the per-pass ops, each checking its arguments.
@@ -151,7 +139,7 @@ def test_cuda_hooks_run_in_cpp(tmp_path):
     fold_args, sums = _inputs("cpu")
     cuda_args, cuda_sums = _inputs("cuda")
     cuda = torch.profiler.ProfilerActivity.CUDA
-    with _one_rank_group(tmp_path, "cpu:gloo,cuda:nccl") as group_name:
+    with one_rank_group(tmp_path, "cpu:gloo,cuda:nccl") as group_name:
         want = _run_hooks(fold_args, sums, group_name)
         got, prof = _profiled(lambda: _run_hooks(cuda_args, cuda_sums, group_name),
                               torch.profiler.ProfilerActivity.CPU, cuda)

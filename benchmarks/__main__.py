@@ -9,8 +9,12 @@ section of BENCHMARKS.md in one run.
    float64; our GEMM alone beside torch.mm; the host time of a small-batch forward.
 2. Real heads (``benchmarks.real_heads``): a projection MLP and a classifier fused by
    ``epifuse.fuse``, in the same columns, forwards and training steps.
-3. Our row softmax against torch.softmax and the copy bandwidth.
-4. On a machine with 2 GPUs or more, data-parallel training steps (``benchmarks.distributed``);
+3. Training loop (``benchmarks.loop``): the same models' whole training steps (zero_grad,
+   forward, loss, backward, SGD / AdamW step; fp32-tf32, amp-bf16, amp-fp16 with GradScaler) at
+   batches 256 to 4096, eager and fused, each also under torch.compile (default and
+   reduce-overhead), and the host time of one head's forward and backward.
+4. Our row softmax against torch.softmax and the copy bandwidth.
+5. On a machine with 2 GPUs or more, data-parallel training steps (``benchmarks.distributed``);
    otherwise the page says it was not run.
 
 Prints an estimate of each section's time before it and its time after it, a table at the end,
@@ -34,7 +38,7 @@ import torch
 
 from epifuse import cli
 
-from . import distributed, real_heads, report
+from . import distributed, loop, real_heads, report
 from .cases import (DEFAULT_DTYPES, DEFAULT_PRECISIONS, DRY_SWEEP_M, DTYPES, MODES, SWEEP_M,
                     Runner, Shape, base_state, build_plan, describe, estimate_case_s, free_memory,
                     new_row, EST_FIRST_COMPILE_S)
@@ -94,6 +98,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--real-heads", action=argparse.BooleanOptionalAction, default=True,
                    help="the real heads (benchmarks.real_heads) in the selected dtypes and "
                         "modes (default on)")
+    p.add_argument("--loop", action=argparse.BooleanOptionalAction, default=None,
+                   help="the training loop (benchmarks.loop): optimizer steps of the real heads' "
+                        "models at batches " + ",".join(map(str, loop.BATCHES)) + " in the "
+                        "selected settings among " + ",".join(loop.SETTINGS) + " (default on: "
+                        "on CUDA, and in a --quick CPU dry run at tiny sizes)")
     p.add_argument("--distributed", action=argparse.BooleanOptionalAction, default=None,
                    help="data-parallel steps (benchmarks.distributed; default: on a machine "
                         "with 2 GPUs or more; --distributed with --device cpu: gloo dry run)")
@@ -196,6 +205,8 @@ def load_previous(path: str, env: dict, log) -> Optional[dict]:
                 "softmax": {softmax_key(r): r for r in doc.get("softmax", [])},
                 "copy": (doc.get("copy_bandwidth") or {}).get("gbps") and doc["copy_bandwidth"],
                 "real_heads": {real_heads.row_key(r): r for r in doc.get("real_heads") or []},
+                "loop": {loop.row_key(r): r for r in doc.get("loop") or []},
+                "loop_host": {r["setting"]: r for r in doc.get("loop_host") or []},
                 "distributed": (doc.get("distributed") or {}).get("results") and doc[
                     "distributed"],
                 "date": old.get("date"), "commands": old.get("commands") or [old.get("command")]}
@@ -203,8 +214,8 @@ def load_previous(path: str, env: dict, log) -> Optional[dict]:
         log(f"--resume: cannot read {path} ({type(e).__name__}: {e}); measuring everything")
         return None
     log(f"--resume: reusing {len(prev['cases'])} configurations, {len(prev['host'])} host-time "
-        f"points, {len(prev['softmax'])} softmax points and {len(prev['real_heads'])} real-heads "
-        f"rows from {path} ({prev['date']})")
+        f"points, {len(prev['softmax'])} softmax points, {len(prev['real_heads'])} real-heads "
+        f"rows and {len(prev['loop'])} training-loop rows from {path} ({prev['date']})")
     return prev
 
 
@@ -236,7 +247,7 @@ class Run:
         self.path = os.path.join(args.out, "bench.json")
         self.doc = {"complete": False, "env": env, "settings": settings_doc, "cases": [],
                     "host_time": [], "softmax": [], "copy_bandwidth": None, "real_heads": [],
-                    "distributed": None}
+                    "loop": [], "loop_host": [], "distributed": None}
         env["sections_s"] = {}
         self.done, self.total = 0, 0
 
@@ -285,6 +296,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     heads = (real_heads.plan(real_heads.MODELS, args.dtypes, real_heads.modes_for(args.modes),
                              dry=dry, compile=args.compile) if args.real_heads else [])
     settings = Settings(warmup=args.warmup, iters=args.iters, max_seconds=args.max_seconds)
+    want_loop = args.loop if args.loop is not None else (not dry or args.quick)
+    loop_settings = loop.settings_for(args.dtypes) if want_loop else []
+    loop_groups = loop.plan(loop.MODELS, loop_settings, loop.DRY_BATCHES if dry else loop.BATCHES,
+                            loop.OPTIMIZERS, dry=dry, compile=args.compile)
+    loop_host = loop_settings if args.host_time else []
     env = report.environment(device)
     gpus = torch.cuda.device_count()
     want_dist = args.distributed if args.distributed is not None else (
@@ -295,7 +311,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "modes": args.modes, "compile": args.compile, "sweep": args.sweep,
                     "sweep_m": args.sweep_m if args.sweep else None,
                     "softmax": args.softmax, "host_time": args.host_time,
-                    "real_heads": args.real_heads, "distributed": want_dist}
+                    "real_heads": args.real_heads, "loop": want_loop, "distributed": want_dist}
     print(f"benchmarks: {env['gpu']} | torch {env['torch']} | CUDA {env['cuda']}", flush=True)
     if dry:
         print("benchmarks: --device cpu is a DRY RUN at tiny sizes; its timings only test the "
@@ -317,13 +333,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     dist_problems = [p for p in args.problems if p in distributed.PROBLEMS]
     dist_dtypes = [d for d in distributed.DEFAULT_DTYPES]
     run.total = (len(plan.cases) + len(plan.host_points) + len(plan.softmax_points)
-                 + bool(plan.softmax_points) + len(heads) + bool(want_dist))
+                 + bool(plan.softmax_points) + len(heads) + len(loop_groups) + len(loop_host)
+                 + bool(want_dist))
     first_compile = EST_FIRST_COMPILE_S if args.compile and not dry else 0.0
     estimates = {
         "kernelbench": first_compile + sum(estimate_case_s(c, settings, dry) for c in plan.cases),
         "host_time": 0.5 * len(plan.host_points),
         "softmax": (0.05 if dry else 0.5) * len(plan.softmax_points),
         "real_heads": sum(real_heads.estimate_s(c, settings, dry) for c in heads),
+        "loop": loop.estimate_s(loop_groups, settings, dry, loop_host),
         "distributed": distributed.estimate_s(dist_problems, dist_dtypes, distributed.WARMUP,
                                               distributed.ITERS, "cpu" if dry else "cuda")
         if want_dist else 0.0}
@@ -411,6 +429,35 @@ def main(argv: Optional[list[str]] = None) -> int:
             run.save()
             free_memory(device)
 
+    def loop_section() -> None:
+        for group in loop_groups:
+            run.step(f"training loop {group.label}")
+            keys = [(group.model, group.batch, group.spec.name, o) for o in group.optimizers]
+            old = [run.reused("loop", k) for k in keys]
+            if all(old):
+                rows = old
+            else:
+                try:
+                    rows = loop.run_group(group, device, settings)
+                except Exception as e:  # noqa: BLE001 -- rows of failures, the run goes on
+                    rows = [{"model": group.model, "batch": group.batch,
+                             "setting": group.spec.name, "optimizer": o, "dims": list(group.dims),
+                             "compile_timed": group.compile, "fused_heads": 0, "path": {},
+                             "optimizer_impl": "n/a", "queued_ms": {},
+                             "timings_ms": {i: {"error": describe(e)} for i in group.impls}}
+                            for o in group.optimizers]
+            for row in rows:
+                doc["loop"].append(row)
+                log(loop.summary(row) + (" (reused)" if all(old) else ""))
+            run.save()
+            free_memory(device)
+        for name in loop_host:
+            run.step(f"training loop host time per head {name}")
+            old = run.reused("loop_host", name)
+            doc["loop_host"].append(old or loop.host_head(DTYPES[name], device, dry))
+            log(loop.host_summary(doc["loop_host"][-1]) + (" (reused)" if old else ""))
+            run.save()
+
     def dist_section() -> None:
         run.step(f"data-parallel steps on {args.nproc} processes")
         if prev and prev.get("distributed"):
@@ -428,6 +475,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     run.section("kernelbench", len(plan.cases), estimates["kernelbench"], kernelbench)
     run.section("host_time", len(plan.host_points), estimates["host_time"], host_time)
     run.section("real_heads", len(heads), estimates["real_heads"], heads_section)
+    run.section("loop", len(loop_groups) + len(loop_host), estimates["loop"], loop_section)
     run.section("softmax", len(plan.softmax_points), estimates["softmax"], softmax)
     if want_dist:
         run.section("distributed", 1, estimates["distributed"], dist_section)
@@ -453,8 +501,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\nwrote: {', '.join(written)} ({env['elapsed_s']:.0f} s)")
     measured = (any(r["timings_ms"] for r in doc["cases"] + doc["softmax"])
                 or any(h["timings_us"] for h in doc["host_time"])
-                or any(r["timings_ms"] for r in doc["real_heads"]))
-    return 0 if measured or not (doc["cases"] or doc["softmax"] or doc["real_heads"]) else 1
+                or any(r["timings_ms"] for r in doc["real_heads"])
+                or any(loop_timed(r) for r in doc["loop"]))
+    return 0 if measured or not (doc["cases"] or doc["softmax"] or doc["real_heads"]
+                                 or doc["loop"]) else 1
+
+
+def loop_timed(row: dict) -> bool:
+    """Whether a training-loop row has a timing (not only errors)."""
+    return any("error" not in t for t in row["timings_ms"].values())
 
 
 def _keep_previous(doc: dict, prev: dict) -> None:
@@ -480,6 +535,16 @@ def _keep_previous(doc: dict, prev: dict) -> None:
         real_heads.MODELS.index(r["model"]) if r["model"] in real_heads.MODELS else 9,
         order.get(r["dtype"], 99), real_heads.MODES.index(r["mode"])
         if r["mode"] in real_heads.MODES else 9))
+    have = {loop.row_key(r) for r in doc["loop"]}
+    doc["loop"] += [r for k, r in prev["loop"].items() if k not in have]
+    doc["loop"].sort(key=lambda r: (
+        loop.MODELS.index(r["model"]) if r["model"] in loop.MODELS else 9, r["batch"],
+        loop.SETTINGS.index(r["setting"]) if r["setting"] in loop.SETTINGS else 9,
+        loop.OPTIMIZERS.index(r["optimizer"]) if r["optimizer"] in loop.OPTIMIZERS else 9))
+    have = {r["setting"] for r in doc["loop_host"]}
+    doc["loop_host"] += [r for k, r in prev["loop_host"].items() if k not in have]
+    doc["loop_host"].sort(key=lambda r: loop.SETTINGS.index(r["setting"])
+                          if r["setting"] in loop.SETTINGS else 9)
     if not (doc["distributed"] or {}).get("results") and prev.get("distributed"):
         doc["distributed"] = prev["distributed"]
 

@@ -269,12 +269,14 @@ def estimate_case_s(case: "Case", settings: Settings, dry: bool) -> float:
             + (EST_COMPILE_S[step] if case.compile else 0.0))
 
 
-def compile_model(model: torch.nn.Module, device: torch.device) -> Callable:
-    """torch.compile(model), default mode; in a CPU dry run with backend='eager' (dynamo's trace
-    without inductor's code generation: the plumbing, in seconds)."""
+def compile_model(model: torch.nn.Module, device: torch.device,
+                  mode: Optional[str] = None) -> Callable:
+    """torch.compile(model), default mode (or ``mode``, e.g. "reduce-overhead"); in a CPU dry run
+    with backend='eager' whatever the mode (dynamo's trace without inductor's code generation or
+    CUDA graphs: the plumbing, in seconds)."""
     if device.type == "cpu":
         return torch.compile(model, backend="eager")
-    return torch.compile(model)
+    return torch.compile(model) if mode is None else torch.compile(model, mode=mode)
 
 
 # --------------------------------------------------------------------------- models and inputs

@@ -52,18 +52,19 @@ DRY_DIMS = {"projection": (32, 64, 16), "classifier": (32, 64, 10)}
 BATCH, DRY_BATCH = 4096, 64
 
 
-def build_model(name: str, dims: tuple[int, int, int]) -> nn.Module:
-    """The unfused model, initialized from the current RNG state."""
+def build_model(name: str, dims: tuple[int, int, int], *, bias: bool = True) -> nn.Module:
+    """The unfused model, initialized from the current RNG state; ``bias=False``: Linears
+    without bias (as MoCo v3 builds its projector: the training loop's)."""
     d_in, hidden, d_out = dims
     if name == "projection":
         return nn.Sequential(
-            nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
-            nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
-            nn.Linear(hidden, d_out), nn.BatchNorm1d(d_out, affine=False))
+            nn.Linear(d_in, hidden, bias=bias), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, hidden, bias=bias), nn.BatchNorm1d(hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, d_out, bias=bias), nn.BatchNorm1d(d_out, affine=False))
     if name == "classifier":
         return nn.Sequential(
-            nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden), nn.GELU(),
-            nn.Linear(hidden, d_out), nn.BatchNorm1d(d_out), nn.Softmax(dim=1))
+            nn.Linear(d_in, hidden, bias=bias), nn.BatchNorm1d(hidden), nn.GELU(),
+            nn.Linear(hidden, d_out, bias=bias), nn.BatchNorm1d(d_out), nn.Softmax(dim=1))
     raise ValueError(f"unknown model {name!r} (expected one of {MODELS})")
 
 

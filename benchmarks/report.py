@@ -30,9 +30,9 @@ import torch
 from .cases import DTYPES, PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
 
 PAGE_MAX_LINES = 250  # BENCHMARKS.md: a page, not a log
-SECTIONS = ("kernelbench", "host_time", "softmax", "real_heads", "distributed")
+SECTIONS = ("kernelbench", "host_time", "softmax", "real_heads", "loop", "distributed")
 SECTION_NAMES = {"kernelbench": "KernelBench", "host_time": "host time", "softmax": "softmax",
-                 "real_heads": "real heads", "distributed": "2-GPU"}
+                 "real_heads": "real heads", "loop": "training loop", "distributed": "2-GPU"}
 
 # --------------------------------------------------------------------------- rows and cells
 
@@ -292,6 +292,9 @@ HOST_TITLE = "Host time per forward (median us of CPU time per Python call)"
 GEMM_TITLE = "Our GEMM alone (KernelBench shapes)"
 SOFTMAX_TITLE = "Row softmax: epifuse affine_softmax vs torch.softmax"
 REAL_HEADS_TITLE = "Real heads: models fused by epifuse.fuse vs eager and torch.compile"
+LOOP_TITLE = ("Training loop: zero_grad + forward + loss + backward + optimizer step (median ms "
+              "per step)")
+LOOP_HOST_TITLE = "Host time per head in the loop (median us of CPU time per call)"
 DISTRIBUTED_TITLE = "Data-parallel training step on 2 GPUs or more"
 
 
@@ -349,6 +352,199 @@ def real_heads_markdown(env: dict, rows: Sequence[dict]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# --------------------------------------------------------------------------- training loop
+
+LOOP_OPTIMIZERS = {"sgd": "SGD", "adamw": "AdamW"}
+
+
+def loop_ms(r: dict, impl: str, key: str = "timings_ms") -> Optional[float]:
+    t = (r.get(key) or {}).get(impl)
+    return None if t is None or "error" in t else t["median_ms"]
+
+
+def loop_speedup(r: dict, base: str, ours: str, key: str = "timings_ms") -> Optional[float]:
+    """base's ms / ours' (> 1: ours is faster)."""
+    a, b = loop_ms(r, base, key), loop_ms(r, ours, key)
+    return a / b if a and b else None
+
+
+def _loop_label(r: dict) -> str:
+    return f"{r['model']} batch {r['batch']} {r['setting']} {LOOP_OPTIMIZERS[r['optimizer']]}"
+
+
+def _loop_time(r: dict, impl: str, notes: Notes, key: str = "timings_ms") -> str:
+    t = (r.get(key) or {}).get(impl)
+    if t is None:
+        return "n/a" if r.get("compile_timed", True) or not impl.startswith("compile") else "-"
+    if "error" in t:
+        return "n/a " + notes.ref(f"{_loop_label(r)}, {impl}: {t['error']}")
+    cell = fmt_ms(t["median_ms"])
+    skipped = (r.get("cudagraph_skips") or {}).get(impl)
+    if skipped:
+        cell += " " + notes.ref(f"{impl}: inductor ran {skipped} graph(s) without CUDA graphs "
+                                "(see TORCH_LOGS=perf_hints)")
+    if key == "queued_ms" and t.get("gpu_kept_busy") is False:
+        cell += " " + notes.ref("queued: the GPU went idle while the host queued the steps (a "
+                                "step synchronized): the time includes the host's")
+    return cell
+
+
+def loop_path(r: dict) -> list[tuple[str, str]]:
+    """(implementation, reason) of each fused implementation whose step ran fewer
+    epifuse::fused_head (or fused_head_backward) calls than the model has fused heads."""
+    return [(impl, p.get("reason") or "fewer fused-op calls than heads")
+            for impl, p in (r.get("path") or {}).items()
+            if p["forward"] < p["heads"] or p["backward"] < p["heads"]]
+
+
+def _loop_path_cell(r: dict, notes: Notes) -> str:
+    path = r.get("path") or {}
+    if not path:
+        return "-"
+    back = loop_path(r)
+    if not back:
+        return f"yes ({r.get('fused_heads', '?')} heads)"
+    reasons = sorted({reason for _, reason in back})
+    note = notes.ref(f"{', '.join(i for i, _ in back)}: the fused heads ran their modules, not "
+                     f"epifuse::fused_head ({'; '.join(reasons)})")
+    return ("no " if len(back) == len(path) else "partly ") + note
+
+
+def _loop_optimizer(r: dict, notes: Notes) -> str:
+    name, how = LOOP_OPTIMIZERS[r["optimizer"]], r.get("optimizer_impl") or "n/a"
+    if how == "fused":
+        return f"{name} fused"
+    return f"{name} default " + notes.ref(f"{name}(fused=True) not supported here: {how}")
+
+
+def _loop_table(rows: Sequence[dict], notes: Notes) -> tuple[list, list, int]:
+    def pair(r, impls, key="timings_ms"):
+        return " / ".join(_loop_time(r, i, notes, key) for i in impls)
+
+    cells = [[r["model"], str(r["batch"]), r["setting"], _loop_optimizer(r, notes),
+              _loop_path_cell(r, notes)]
+             + [_loop_time(r, i, notes) for i in ("eager", "fused", "compile_ro",
+                                                   "compile_fused_ro")]
+             + [fmt_x(loop_speedup(r, "eager", "fused")),
+                fmt_x(loop_speedup(r, "compile_ro", "compile_fused_ro")),
+                pair(r, ("compile", "compile_fused")),
+                pair(r, ("eager", "fused", "compile_ro", "compile_fused_ro"), "queued_ms")]
+             for r in rows]
+    return (["model", "batch", "setting", "optimizer", "fused path", "eager ms", "fused ms",
+             "compile-RO ms", "compile-RO fused ms", "fused vs eager", "RO fused vs RO",
+             "compile ms unfused / fused", "queued ms eager / fused / RO / RO fused"], cells, 5)
+
+
+def _loop_host_table(rows: Sequence[dict], notes: Notes) -> tuple[list, list, int]:
+    def us(r, impl, what):
+        t = r["timings_us"].get(impl)
+        if t is None:
+            msg = r["failures"].get(impl)
+            return "n/a" if msg is None else "n/a " + notes.ref(
+                f"host time per head, {r['setting']}, {impl}: {msg}")
+        return fmt_num(t["backward_us"] if what == "backward" else t["forward"]["median_us"], 1)
+
+    def rel(r, what):
+        t = r["timings_us"]
+        if "eager" not in t or "fused" not in t:
+            return "n/a"
+        get = (lambda d: d["backward_us"]) if what == "backward" else (
+            lambda d: d["forward"]["median_us"])
+        return fmt_num(get(t["fused"]) / get(t["eager"]), 2) if get(t["eager"]) > 0 else "n/a"
+
+    def path(r):
+        p = r.get("path")
+        if not p:
+            return "-"
+        if p["forward"] >= 1 and p["backward"] >= 1:
+            return "yes"
+        return "no " + notes.ref(f"host time per head: the fused head ran its modules, not "
+                                 f"epifuse::fused_head ({p.get('reason')})")
+
+    def busy(r):
+        flags = [t[w]["gpu_kept_busy"] for t in r["timings_us"].values()
+                 for w in ("forward", "forward_backward")]
+        if not flags or any(f is None for f in flags):
+            return "-"
+        return "yes" if all(flags) else "no " + notes.ref(
+            "the GPU went idle during the calls in each of 3 attempts: the host time may include "
+            "waiting for the GPU")
+
+    cells = [[r["setting"], f"{r['batch']}x{r['dims'][0]}->{r['dims'][1]}",
+              us(r, "eager", "forward"), us(r, "fused", "forward"), rel(r, "forward"),
+              us(r, "eager", "backward"), us(r, "fused", "backward"), rel(r, "backward"),
+              path(r), busy(r)] for r in rows]
+    return (["setting", "head", "eager fwd us", "fused fwd us", "fused / eager", "eager bwd us",
+             "fused bwd us", "fused / eager", "fused path", "GPU kept busy"], cells, 2)
+
+
+def loop_tables(doc: dict, notes: Notes) -> list[tuple]:
+    out = []
+    if doc.get("loop"):
+        out.append((LOOP_TITLE, *_loop_table(doc["loop"], notes)))
+    if doc.get("loop_host"):
+        out.append((LOOP_HOST_TITLE, *_loop_host_table(doc["loop_host"], notes)))
+    return out
+
+
+def loop_legend(doc: dict) -> str:
+    """The training loop's paragraph, with the models and settings as this run ran them."""
+    rows = doc.get("loop") or []
+    env = doc.get("env") or {}
+    dims = {r["model"]: r["dims"] for r in rows if r.get("dims")}
+    models = []
+    if "projection" in dims and len(dims["projection"]) == 3:
+        d_in, hidden, d_out = dims["projection"]
+        models.append(f"projection = MoCo v3's projector as MoCo v3 builds it, "
+                      f"Linear({d_in}, {hidden}, bias=False) -> BN -> ReLU -> Linear({hidden}, "
+                      f"{hidden}, bias=False) -> BN -> ReLU -> Linear({hidden}, {d_out}, "
+                      f"bias=False) -> BatchNorm1d({d_out}, affine=False)")
+    if "classifier" in dims:
+        d_in, hidden, d_out = dims["classifier"]
+        models.append(f"classifier = Linear({d_in}, {hidden}) -> BN -> GELU -> Linear({hidden}, "
+                      f"{d_out}) -> BN -> Softmax")
+    cuda = on_cuda(env)
+    return (
+        "Training loop (`python -m benchmarks.loop`): " + "; ".join(models) + ". One timed step "
+        "= `optimizer.zero_grad(set_to_none=True)`, the forward and the loss `(y * g).sum()` "
+        "(g fixed, N(0, 1) / batch) in the setting's autocast region, `backward()`, "
+        "`optimizer.step()`; amp-fp16 through `torch.amp.GradScaler` (`scaler.scale(loss)."
+        "backward(); scaler.step(opt); scaler.update()`); x requires grad (dX computed, as on a "
+        "backbone). Optimizers SGD(momentum=0.9) and AdamW, `fused=True` where supported "
+        "('default' with a note otherwise). fused = `epifuse.fuse` of a copy; compile = "
+        "`torch.compile(model)` with the loss, backward and optimizer eager around it (the "
+        "common pattern), RO = `mode=\"reduce-overhead\"` (CUDA graphs, "
+        "`torch.compiler.cudagraph_mark_step_begin()` each step)"
+        + (_compile_note(env) if not cuda else "") + "; each implementation trains its own "
+        "copy of the same initial parameters; compiled once per model, batch and setting (the "
+        "compile warm-up is not timed). ms = median of "
+        f"{timer_name(env)} timings of single steps, each from an idle device (synchronized "
+        "before it: host latency included), inputs rotated, implementations interleaved in 3 "
+        "rounds; queued = the GPU time per step with steps queued back to back "
+        "behind a spin kernel (the host hidden, as behind a backbone's GPU work). 'fused vs "
+        "eager' = eager ms / fused ms, 'RO fused vs RO' = compile-RO ms / compile-RO fused ms. "
+        "fused path = one step of each fused implementation (eager, compiled, reduce-overhead's "
+        "recording step) under torch.profiler ran `epifuse::fused_head` and "
+        "`epifuse::fused_head_backward` once per head ('no' with the reason otherwise). Host "
+        "time per head: the projection's first head alone, eager modules vs the fused head, "
+        "forward and backward ((forward + backward) - forward) "
+        + ("issued while a spin kernel keeps the GPU busy (host time only)." if cuda
+           else "(dry run: time.perf_counter around whole CPU calls)."))
+
+
+def loop_markdown(doc: dict) -> str:
+    """``python -m benchmarks.loop``'s own page: its tables alone."""
+    notes, env = Notes(), doc.get("env") or {}
+    lines = [f"- GPU: {env.get('gpu')}; PyTorch {env.get('torch')}",
+             "- `python -m benchmarks.loop`", ""]
+    for title, headers, cells, left in loop_tables(doc, notes):
+        lines += [f"## {title}", "", table(headers, cells, left, markdown=True), ""]
+    lines += [f"[{i + 1}] {t}  " for i, t in enumerate(notes.items)]
+    if doc.get("loop") or doc.get("loop_host"):
+        lines += ["", loop_legend(doc)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def distributed_table(results: Sequence[dict], nproc: int, device_name: str,
                       markdown: bool = True) -> str:
     """The 2-GPU section's table (``benchmarks.distributed``'s results as dicts)."""
@@ -388,6 +584,7 @@ def tables(doc: dict) -> tuple[list[tuple], Notes]:
         out.append((f"M sweep, problem {SWEEP_PROBLEM}", *_model_table(sweep, notes, False)))
     if doc.get("real_heads"):
         out.append((REAL_HEADS_TITLE, *_real_heads_table(doc["real_heads"], notes)))
+    out += loop_tables(doc, notes)
     if doc.get("softmax"):
         copy, title = doc.get("copy_bandwidth"), SOFTMAX_TITLE
         if copy is not None:
@@ -496,7 +693,8 @@ def legend(doc: dict) -> list[str]:
     """The footer's paragraphs; names only what this run measured (a CPU dry run has no CUDA
     events)."""
     env, rows, heads = doc["env"], doc.get("cases") or [], doc.get("real_heads") or []
-    timed = any(r["compile_timed"] for r in rows) or any(r.get("compile_timed") for r in heads)
+    timed = any(r["compile_timed"] for r in rows) or any(
+        r.get("compile_timed") for r in list(heads) + list(doc.get("loop") or []))
     impls = "ours = ModelNew (epifuse); eager = reference Model" + (
         f"; compile = torch.compile(Model), default mode{_compile_note(env)}" if timed
         else "; torch.compile not timed (--no-compile)")
@@ -523,6 +721,8 @@ def legend(doc: dict) -> list[str]:
         out.append(f"Host time: {how}.")
     if heads:
         out.append(real_heads_legend(heads))
+    if doc.get("loop") or doc.get("loop_host"):
+        out.append(loop_legend(doc))
     if doc.get("softmax"):
         out.append("Softmax: each call alone, L2 flushed before it (a buffer larger than L2 "
                    "overwritten, as triton.testing.do_bench does); GB/s count bytes read + "
@@ -591,7 +791,8 @@ def markdown_report(doc: dict, charts: Sequence[str] = (), md_path: Optional[str
                   "ModelNew (`epifuse.problems`) against the reference Model, eager and "
                   "torch.compile, at the problems' KernelBench sizes.", ""]
     for title, headers, cells, left in ts:
-        level = "###" if title in kb_titles or title.startswith("M sweep") else "##"
+        level = ("###" if title in kb_titles or title.startswith("M sweep")
+                 or title == LOOP_HOST_TITLE else "##")
         lines += [f"{level} {title}", "", table(headers, cells, left, markdown=True), ""]
     dist = distributed_text(doc, markdown=True)
     if dist is not None:

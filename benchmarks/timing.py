@@ -82,8 +82,10 @@ class _Timed:
     """One implementation under measurement: first call, warm-up, then per-call times."""
 
     def __init__(self, name: str, fn: Callable[[Any], object], inputs: Sequence[Any],
-                 device: torch.device, s: Settings, flush: Optional[torch.Tensor]) -> None:
+                 device: torch.device, s: Settings, flush: Optional[torch.Tensor],
+                 alone: bool = False) -> None:
         self.name, self.fn, self.inputs, self.device, self.flush = name, fn, inputs, device, flush
+        self.alone = alone
         sync(device)
         t0 = time.perf_counter()
         fn(inputs[0])
@@ -117,6 +119,8 @@ class _Timed:
             x = inputs[(first + i) % len(inputs)]
             if flush is not None:
                 flush.zero_()
+            if self.alone:  # from an idle device: the call's whole latency, host's included
+                sync(self.device)
             start.record()
             fn(x)
             end.record()
@@ -126,22 +130,25 @@ class _Timed:
     def measurement(self) -> Measurement:
         return Measurement(1, self.times, TaskSpec(self.name, "", description=self.name),
                            metadata={"warmup": self.warmup, "n_inputs": len(self.inputs),
-                                     "first_call_ms": self.first_ms})
+                                     "first_call_ms": self.first_ms, "alone": self.alone})
 
 
 def measure_rounds(fns: Mapping[str, Callable[[Any], object]], inputs: Sequence[Any],
                    device: torch.device, settings: Settings, rounds: int = 3,
-                   flush: Optional[torch.Tensor] = None
+                   flush: Optional[torch.Tensor] = None, alone: bool = False
                    ) -> dict[str, Union[Measurement, Exception]]:
     """Time ``fn(inputs[i % len(inputs)])`` for each of ``fns``, interleaved in ``rounds`` rounds
-    (each runs its share of its calls in turn); an implementation that raises gets its exception."""
+    (each runs its share of its calls in turn); an implementation that raises gets its exception.
+    ``alone``: the device is synchronized before each timed call (each call's latency from an idle
+    GPU, host time included, as a loop that synchronizes every step sees it), where by default
+    calls are queued back to back."""
     if not inputs:
         raise ValueError("measure_rounds() needs at least one input")
     results: dict[str, Union[Measurement, Exception]] = {}
     timed: dict[str, _Timed] = {}
     for name, fn in fns.items():
         try:
-            timed[name] = _Timed(name, fn, inputs, device, settings, flush)
+            timed[name] = _Timed(name, fn, inputs, device, settings, flush, alone)
         except Exception as e:  # noqa: BLE001 -- reported per implementation
             results[name] = e
     rounds = max(1, rounds)

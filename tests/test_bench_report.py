@@ -310,10 +310,18 @@ def _full_run_doc(nproc_results: bool = True) -> dict:
     env = dict(GPU, capability="sm_90", sm_count=132, gpu_memory_gib=79.2, driver="580",
                gpu_count=2, date="2026-01-01 00:00:00 UTC", command="scripts/bench.sh --markdown "
                "BENCHMARKS.md", git_commit="abc1234", epifuse_version="0.1.0", elapsed_s=300.0,
-               sections_s={"kernelbench": 150.0, "real_heads": 100.0})
+               sections_s={"kernelbench": 150.0, "real_heads": 100.0, "loop": 180.0})
+    from benchmarks import loop
+    from test_bench_loop import loop_host_row, loop_row
+
+    groups = loop.plan(loop.MODELS, loop.settings_for(page), loop.BATCHES, loop.OPTIMIZERS,
+                       dry=False)
     return dict(doc(env, rows, softmax, {"gbps": 3000.0, "bytes_read_plus_written": 2 << 30,
                                          "failure": None}, host, heads, dist),
-                settings={"iters": 50, "min_iters": 5, "warmup": 10})
+                settings={"iters": 50, "min_iters": 5, "warmup": 10},
+                loop=[loop_row(g.model, g.batch, g.spec.name, o) for g in groups
+                      for o in g.optimizers],
+                loop_host=[loop_host_row(s) for s in loop.settings_for(page)])
 
 
 def test_the_default_run_fits_a_page():
@@ -323,12 +331,15 @@ def test_the_default_run_fits_a_page():
     for heading in ("## Environment", "## KernelBench problems 84 and 39",
                     f"### {report.FORWARD_TITLE}", f"### {report.STEP_TITLE}",
                     f"### {report.AMP_FORWARD_TITLE}", f"### {report.AMP_STEP_TITLE}",
-                    f"## {report.REAL_HEADS_TITLE}", f"## {report.DISTRIBUTED_TITLE}",
+                    f"## {report.REAL_HEADS_TITLE}", f"## {report.LOOP_TITLE}",
+                    f"### {report.LOOP_HOST_TITLE}", f"## {report.DISTRIBUTED_TITLE}",
                     "## Legend", "## Charts"):
         assert heading in lines, heading
     assert "Training step on 2 x NVIDIA H100 80GB HBM3" in md
-    assert "commit `abc1234`" in md and "in 300 s (KernelBench 150 s, real heads 100 s)" in md
+    assert "commit `abc1234`" in md and ("in 300 s (KernelBench 150 s, real heads 100 s, "
+                                         "training loop 180 s)") in md
     assert "| projection | amp-bf16 | train-step-queued | 3 |" in md
+    assert "| classifier | 4096 | amp-fp16 | SGD fused | yes (2 heads) |" in md
     for stale in ("Round of", "session"):  # a run's page, not a log
         assert stale not in md
     assert not re.search(r"[Ii]ssue #?\d|#\d", md)  # nor a tracker's
@@ -375,17 +386,22 @@ def test_bench_sh_dry_run_writes_the_whole_page(tmp_path):
          str(tmp_path / "out"), "--markdown", str(page)],
         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for section in ("KernelBench", "real heads", "softmax"):
+    for section in ("KernelBench", "real heads", "training loop", "softmax"):
         assert f"== {section}: " in out.stderr and "estimate ~" in out.stderr, section
     md = page.read_text()
     assert len(md.splitlines()) <= report.PAGE_MAX_LINES
     assert "Dry run on the CPU" in md and "`scripts/bench.sh --device cpu --quick" in md
     for heading in (f"### {report.FORWARD_TITLE}", f"### {report.AMP_STEP_TITLE}",
-                    f"## {report.REAL_HEADS_TITLE}", f"## {report.SOFTMAX_TITLE}",
+                    f"## {report.REAL_HEADS_TITLE}", f"## {report.LOOP_TITLE}",
+                    f"### {report.LOOP_HOST_TITLE}", f"## {report.SOFTMAX_TITLE}",
                     f"## {report.DISTRIBUTED_TITLE}"):
         assert heading in md, heading
     assert "| projection | amp-bf16 | train-step-queued | 3 |" in md
+    # the loop at tiny sizes: the fused heads fall back on the CPU, and the row says so
+    assert "| projection | 16 | amp-bf16 | AdamW fused | no [" in md
+    assert "the fused heads ran their modules, not epifuse::fused_head (input is on cpu" in md
     assert "Not run: CPU dry run" in md
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert doc["complete"] and set(doc["env"]["sections_s"]) == {
-        "kernelbench", "real_heads", "softmax"}
+        "kernelbench", "real_heads", "loop", "softmax"}
+    assert len(doc["loop"]) == 2 * 2 * 2 * 2 and len(doc["loop_host"]) == 2

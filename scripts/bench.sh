@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # scripts/bench.sh -- the epifuse benchmark: `python -m benchmarks ARGS` (benchmarks/).
 #
-#   scripts/bench.sh --markdown BENCHMARKS.md  # the whole page in one run (GPU machine: ~4-5 min
+#   scripts/bench.sh --markdown BENCHMARKS.md  # the whole page in one run (GPU machine: ~7-8 min
 #                                              # on one H100/H200, ~1-2 min more with 2 GPUs)
 #   scripts/bench.sh --device cpu --quick --markdown /tmp/x.md   # dry run without a GPU
 #   scripts/bench.sh --quick --no-compile    # a fast smoke run

@@ -31,10 +31,16 @@ def _tensor_op_names() -> tuple[str, ...]:
 OP_NAMES = _tensor_op_names()
 
 
+_OP_NAME_SET = frozenset(OP_NAMES)
+
+
 def __getattr__(name: str):
-    """``epifuse.ops.<name>``: the op's default overload, e.g. ``epifuse.ops.affine_``."""
-    if f"epifuse::{name}" in OP_NAMES:
-        return getattr(_ops_namespace, name).default
+    """``epifuse.ops.<name>``: the op's default overload, e.g. ``epifuse.ops.affine_``; looked up
+    once, then a module attribute (a call site on a hot path pays no lookup)."""
+    if f"epifuse::{name}" in _OP_NAME_SET:
+        op = getattr(_ops_namespace, name).default
+        globals()[name] = op
+        return op
     raise AttributeError(f"module 'epifuse.ops' has no attribute '{name}'")
 
 

@@ -31,7 +31,7 @@
 // Result on an H200 (experiments/README.md, "tf32_operand_layouts.cu"): both operands MN-major cost
 // 1.5-1.6x the K-major product on either library, B MN-major alone 1.02x at 4096 rows and
 // 1.13-1.15x from 8192, A MN-major alone at most 1.08x; the RS kernels beat cuBLAS only on
-// layouts and shapes the backward does not run after its copies. gemm_dispatch.cu's
+// layouts and shapes the backward does not run after its copies. gemm_plan.cu's
 // cublas_tf32_k_major_copies follows from it. The SwapAB rows (A K,
 // B N) differ from cuBLAS's product (diff ~1.4): that form is not a valid product as configured
 // here, and its times were not used.

@@ -69,7 +69,7 @@ GEMM_SHAPES_FULL = [
     (1030, 4104, 64),   # training: 33 x 5 transposed tiles, ragged both ways (data-parallel)
     (64, 4096, 4096),   # transposed small-batch GEMM, 2^30 multiply-adds, both epilogues
     # fp32 3xtf32 takes the Hopper 3xTF32 GEMM from 64 rows, K = 64 and 2^30 multiply-adds
-    # (gemm_dispatch.cu); below, SGEMM. The small-batch shape above is one; these two are:
+    # (gemm_plan.cu); below, SGEMM. The small-batch shape above is one; these two are:
     (1024, 1024, 1024),  # 8 x 8 tiles of 128x128 in both forms -> the stream-K kernels
     (2100, 1040, 512),   # 17 x 9 tiles, ragged M and N -> the persistent kernels
 ]

@@ -8,8 +8,9 @@ Every CUTLASS GEMM epifuse compiles is one row of KERNELS below: architecture, i
       one explicit instantiation each (the slow part of the build, spread over translation units);
   sm90_gemm_kernels.hpp, sm80_gemm_kernels.hpp
       the tile configurations (TileConfig aliases), the `extern template` declarations that keep
-      gemm_dispatch.cu from instantiating a kernel itself, and the kernel table the dispatcher
-      plans with (kKernels: what each row is) and launches through (with_kernel: row -> types).
+      gemm_plan.cu and gemm_run.cu from instantiating a kernel themselves, and the kernel table
+      the dispatcher plans with (kKernels: what each row is) and launches through (with_kernel:
+      row -> types).
 
 A new dtype, epilogue or schedule is one row in MODES / EPILOGUES / SCHEDULES and the rows of
 KERNELS that use it (plus the C++ the new thing needs: a DType, an epilogue tree, a dispatch rule).
@@ -94,7 +95,7 @@ SCHEDULES = {
                                      "transposed and stream-K (grids of fewer tiles than SMs)"),
     "SmallM": Sm90Schedule("SmallM", "_small_m", 64, "Cluster1x1", "StreamKScheduler", True,
                            "for small batches (transposed, stream-K; see small_batch in "
-                           "gemm_dispatch.cu)"),
+                           "gemm_plan.cu)"),
 }
 
 # sm80: one schedule (CUTLASS's stream-K swizzle), 128x128 CTA tiles of four 64x64 warps, three

@@ -1,7 +1,7 @@
 // The building blocks of the sm80 GEMM configurations. The configurations themselves (which mode
 // and epilogue get compiled) are rows of generate_kernels.py, which writes sm80_gemm_kernels.hpp
 // and the sm80_gemm_*.cu instantiations at build time; which one a problem runs is decided in
-// gemm_dispatch.cu (the only place with shape heuristics).
+// gemm_plan.cu (the only place with shape heuristics).
 //
 // Tile choice: 128x128 CTA tiles of four 64x64 warps, the shape CUTLASS's profiler ranks first for
 // large fp32 / 16-bit GEMMs on A100; three cp.async stages of a 32 fp32 (or 64 16-bit) K-slice, i.e.

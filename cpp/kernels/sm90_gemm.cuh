@@ -32,7 +32,7 @@ using namespace cute;
 // Transposed: the kernel computes z^T = w . x^T, i.e. D'[n, m] stored column-major, which is z
 // row-major. A small batch would fill a 128-row tile with 128 - M rows of padding (8x the useful
 // TF32 math at M = 16, more than the time it takes to stream w); transposed, the batch is the
-// tile's N extent (padded to 64) and the weight's rows fill M (gemm_dispatch.cu, small_batch).
+// tile's N extent (padded to 64) and the weight's rows fill M (gemm_plan.cu, small_batch).
 // Split3x: fp32 operands in the split_fp16 layout (row-scaled FP16 hi/lo parts), multiplied at
 // fp32 accuracy by the 3x mainloop (sm90_mainloop_3x.hpp); the problem's K is then the split
 // width 2 * Kp, and the epilogue reads the accumulator scaled back by the rows' exponents.
@@ -66,7 +66,7 @@ using Split3xMainloop = cutlass::gemm::collective::CollectiveMma<
     typename Built::SmemCopyAtomB, typename Built::TransformB>;
 
 // Promotion interval of the 3x mainloop in K-tiles (of 32 k): kDefaultPromotionInterval, or
-// EPIFUSE_3X_PROMOTION (>= 1) to measure others (gemm_dispatch.cu reads it once).
+// EPIFUSE_3X_PROMOTION (>= 1) to measure others (debug_switches.cu reads it once).
 uint32_t split3x_promotion_interval();
 
 // GemmUniversalAdapter::initialize() raises the kernel's dynamic shared-memory limit with

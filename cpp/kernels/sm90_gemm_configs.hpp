@@ -1,7 +1,7 @@
 // The building blocks of the Hopper GEMM configurations and the schedules the dispatcher chooses
 // from. The configurations themselves (which mode, epilogue and schedule get compiled) are rows of
 // generate_kernels.py, which writes sm90_gemm_kernels.hpp and the sm90_gemm_*.cu instantiations at
-// build time; which one a problem runs is decided in gemm_dispatch.cu (the only place with shape
+// build time; which one a problem runs is decided in gemm_plan.cu (the only place with shape
 // heuristics). The measurements behind these choices: experiments/README.md, "Kernel selection".
 //
 // Tile choice:
@@ -16,7 +16,7 @@
 //  - Clusters: 2x1, pairing CTAs along M to multicast the operand tile they share.
 //  - Stream-K variants ("...SK") for problems with fewer output tiles than SMs (small M): the K
 //    loop is split across CTAs so the whole GPU streams the weight.
-//  - SmallM (batches of M <= 384 rows, gemm_dispatch.cu): the transposed GEMM z^T = w . x^T with
+//  - SmallM (batches of M <= 384 rows, gemm_plan.cu): the transposed GEMM z^T = w . x^T with
 //    128x64 tiles, so the weight's rows fill the wgmma tile and the batch pads to a multiple of 64
 //    columns instead of 128 rows; stream-K, since few of these tiles may not fill the GPU.
 //  - Split3x (fp32 at fp32 accuracy on FP16 wgmma, sm90_mainloop_3x.hpp, operands in the

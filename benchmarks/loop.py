@@ -56,8 +56,8 @@ costs when a larger model's GPU work hides the host). The first call of each imp
 The path: on the first row of each model, batch and setting, one step of each fused
 implementation (eager, and each compiled one after its compiling call: reduce-overhead's
 recording call) runs under ``torch.profiler`` (CPU events), which counts its calls of
-``epifuse::fused_head`` and ``epifuse::fused_head_backward``; a row whose fused model ran fewer
-than one per head is marked, with ``epifuse.fast_path_reason``'s reason (on the CPU: the heads run
+``epifuse::fused_head`` and of ``epifuse::head_grad_coefficients`` (every fused backward's); a
+row whose fused model ran fewer than one per head is marked, with ``epifuse.fast_path_reason``'s reason (on the CPU: the heads run
 their modules).
 
 Host time per head: for the projection MLP's first head (Linear(2048, 4096, bias=False) -> BN ->
@@ -100,7 +100,10 @@ RO_IMPLS = ("compile_ro", "compile_fused_ro")
 # How each compiled implementation is made: (fused copy, torch.compile mode).
 COMPILED = {"compile": (False, None), "compile_ro": (False, "reduce-overhead"),
             "compile_fused": (True, None), "compile_fused_ro": (True, "reduce-overhead")}
-HEAD_OPS = ("epifuse::fused_head", "epifuse::fused_head_backward")
+# What one fused head's forward and backward each run once: fused_head, and head_grad_coefficients,
+# which every fused backward calls (inside fused_head_backward, or, under autocast, from the
+# autograd node's stepwise backward that frees each 16-bit cast after its last GEMM).
+HEAD_OPS = ("epifuse::fused_head", "epifuse::head_grad_coefficients")
 HOST_MODEL, HOST_BATCH, DRY_HOST_BATCH = "projection", 256, 16
 
 # Rough costs (seconds) for the estimate printed before the section: building, copying, fusing
@@ -246,7 +249,7 @@ def make_loop_step(model: nn.Module, forward: Callable, optimizer, spec: DTypeSp
 
 
 def count_head_ops(fn: Callable[[], object]) -> dict:
-    """Calls of epifuse::fused_head and epifuse::fused_head_backward in one ``fn()``
+    """Calls of the head's forward and backward ops (HEAD_OPS) in one ``fn()``
     (torch.profiler, CPU events: the ops' dispatches, eager or from compiled code)."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -391,7 +391,7 @@ def _loop_time(r: dict, impl: str, notes: Notes, key: str = "timings_ms") -> str
 
 def loop_path(r: dict) -> list[tuple[str, str]]:
     """(implementation, reason) of each fused implementation whose step ran fewer
-    epifuse::fused_head (or fused_head_backward) calls than the model has fused heads."""
+    epifuse::fused_head (or backward) calls than the model has fused heads."""
     return [(impl, p.get("reason") or "fewer fused-op calls than heads")
             for impl, p in (r.get("path") or {}).items()
             if p["forward"] < p["heads"] or p["backward"] < p["heads"]]
@@ -525,7 +525,7 @@ def loop_legend(doc: dict) -> str:
         "eager' = eager ms / fused ms, 'RO fused vs RO' = compile-RO ms / compile-RO fused ms. "
         "fused path = one step of each fused implementation (eager, compiled, reduce-overhead's "
         "recording step) under torch.profiler ran `epifuse::fused_head` and "
-        "`epifuse::fused_head_backward` once per head ('no' with the reason otherwise). Host "
+        "`epifuse::head_grad_coefficients` (every fused backward's) once per head ('no' with the reason otherwise). Host "
         "time per head: the projection's first head alone, eager modules vs the fused head, "
         "forward and backward ((forward + backward) - forward) "
         + ("issued while a spin kernel keeps the GPU busy (host time only)." if cuda

@@ -43,6 +43,7 @@ import epifuse
 from epifuse import cli, problems
 from epifuse.precision import resolve_precision
 
+from . import step_gemms
 from .timing import (Settings, l2_flush, measure, measure_host_checked, measure_rounds,
                      peak_memory, rotation_count, to_dict)
 
@@ -526,6 +527,8 @@ class Runner:
                           self._callables(case, state, IMPLS if case.compile else IMPLS[:2]))
             if case.compile:
                 torch._dynamo.reset()
+            if case.mode == TRAIN_STEP and row["path"] == "fused":
+                row["step_gemms"] = self._step_gemms(case, state, inputs[0])
             if case.gemm_alone:  # our GEMM op alone, and torch.mm, on the same inputs
                 w = state["gemm.weight"].to(case.spec.dtype).contiguous()
                 gen = torch.Generator(device).manual_seed(SEED + 300)
@@ -563,6 +566,21 @@ class Runner:
         row.pop("_label")
         row["wall_s"] = round(time.perf_counter() - t0, 2)
         return row
+
+    def _step_gemms(self, case: Case, state: dict, pair) -> Optional[dict]:
+        """Our step's three GEMMs (forward, dX, dW), each from its op's kernels (step_gemms)."""
+        step = self._callables(case, state, ["ours"])["ours"]
+        if isinstance(step, Exception):
+            return None
+        try:
+            with case.spec.context():
+                return step_gemms.measure(step, pair, self.device)
+        except Exception as e:  # noqa: BLE001 -- a diagnostic column
+            self.log(f"  {case.label}: step GEMMs not measured: {describe(e)}")
+            return None
+        finally:
+            step.release(pair)
+            free_memory(self.device)
 
     def _errors(self, case: Case, state: dict, row: dict) -> None:
         """Errors of ours and eager against a float64 twin, on fresh copies of the same state:

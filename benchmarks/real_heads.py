@@ -39,7 +39,7 @@ from torch import nn
 import epifuse
 from epifuse import cli
 
-from . import timing
+from . import step_gemms, timing
 from .cases import (DEFAULT_DTYPES, DEFAULT_PRECISIONS, DTYPES, TRAIN_STEP, DTypeSpec,
                     compile_model, estimate_call_s, estimate_timing_s, make_step, EST_CASE_S,
                     EST_COMPILE_S)
@@ -191,6 +191,10 @@ def run_case(case: HeadCase, device: torch.device, settings: timing.Settings) ->
                 peak = timing.peak_memory(fn, inputs[0], device, getattr(fn, "release", None))
                 if peak is not None:
                     row["peak_mib"][impl] = peak / 2**20
+            if case.mode == TRAIN_STEP and not isinstance(results["ours"], Exception):
+                # Our step's three GEMMs (forward, dX, dW) over the heads, from their ops' kernels.
+                row["step_gemms"] = step_gemms.measure(fns["ours"], inputs[0], device)
+                fns["ours"].release(inputs[0])
     if case.compile:
         torch._dynamo.reset()
     row["wall_s"] = round(time.perf_counter() - t0, 2)

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from . import step_gemms
 from .cases import DTYPES, PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
 
 PAGE_MAX_LINES = 250  # BENCHMARKS.md: a page, not a log
@@ -243,6 +244,30 @@ def _gemm_table(rows: Sequence[dict], notes: Notes, env: dict) -> tuple[list, li
              f"{mm_label(env)} ms", "TFLOP/s", "end-to-end ms", "end-to-end / GEMM"], cells, 4)
 
 
+def _step_gemm_cells(label: str, r: dict) -> list[str]:
+    g = r["step_gemms"]
+    forward = (g.get("forward") or {}).get("tflops")
+    cells = [label, r["dtype"]]
+    for kind in step_gemms.KINDS:
+        e = g.get(kind) or {}
+        cells += [fmt_ms(e.get("ms")), fmt_rate(e.get("tflops"))]
+        if kind != "forward":
+            rate = e.get("tflops")
+            cells.append(fmt_pct(rate / forward if rate and forward else None))
+    return cells
+
+
+def _step_gemms_table(rows: Sequence[dict], heads: Sequence[dict]) -> tuple[list, list, int]:
+    """Our training steps' three GEMMs (benchmarks/step_gemms.py): the KernelBench problems' and
+    the real heads' (their heads summed)."""
+    cells = [_step_gemm_cells(f"problem {r['problem']} {dims(r)}", r)
+             for r in rows if r.get("step_gemms")]
+    cells += [_step_gemm_cells(f"{r['model']} batch {r['batch']}", r)
+              for r in heads if r.get("step_gemms")]
+    return (["step", "setting", "forward ms", "TFLOP/s", "dX ms", "TFLOP/s", "of forward's",
+             "dW ms", "TFLOP/s", "of forward's"], cells, 2)
+
+
 def softmax_gbps(r: dict, impl: str) -> Optional[float]:
     """Bytes read + written per second, in GB/s."""
     t = ms(r, impl)
@@ -288,6 +313,8 @@ AMP_FORWARD_TITLE = ("Autocast forwards (fp32 parameters and inputs under torch.
                      "ms per forward)")
 AMP_STEP_TITLE = ("Autocast training steps (forward under torch.autocast, backward after it; "
                   "median ms per step)")
+STEP_GEMMS_TITLE = ("The GEMMs of our training steps: forward x.W^T, dX = dZ.W, dW = dZ^T.X (GPU ms "
+                    "per step from each op's kernels, its splits and copies included)")
 HOST_TITLE = "Host time per forward (median us of CPU time per Python call)"
 GEMM_TITLE = "Our GEMM alone (KernelBench shapes)"
 SOFTMAX_TITLE = "Row softmax: epifuse affine_softmax vs torch.softmax"
@@ -578,6 +605,9 @@ def tables(doc: dict) -> tuple[list[tuple], Notes]:
     gemm = _gemm_table(rows, notes, env)
     if gemm[1]:
         out.append((GEMM_TITLE, *gemm))
+    step_gemm = _step_gemms_table(steps, doc.get("real_heads") or [])
+    if step_gemm[1]:
+        out.append((STEP_GEMMS_TITLE, *step_gemm))
     if doc.get("host_time"):
         out.append((HOST_TITLE, *_host_table(doc["host_time"], notes)))
     if sweep:
@@ -719,6 +749,11 @@ def legend(doc: dict) -> list[str]:
                "over rounds of back-to-back calls after warm-up" if on_cuda(env)
                else "time.perf_counter around whole CPU calls (dry run: no GPU)")
         out.append(f"Host time: {how}.")
+    if any(r.get("step_gemms") for r in list(rows) + list(heads)):
+        out.append("GEMMs of our training steps: one profiled run of 3 steps after the timed ones; "
+                   "each GEMM op's GPU time is the sum of the kernels it launched (the 3x FP16 "
+                   "splits, K-major copies and chunks included), per step; a real head's row sums "
+                   "its heads. 'of forward's' = the GEMM's TFLOP/s / the forward GEMM's.")
     if heads:
         out.append(real_heads_legend(heads))
     if doc.get("loop") or doc.get("loop_host"):

@@ -62,15 +62,16 @@ def test_settings_are_the_pages_columns_the_loop_runs():
     assert loop.settings_for(["bf16", "fp32-3xtf32"]) == []
 
 
-def test_the_section_fits_about_three_minutes_on_one_gpu():
+def test_the_section_fits_about_five_minutes_on_one_gpu():
     """The page's plan (36 rows, 72 compiled models, the host-time table) is estimated at about
-    three minutes with the page's and --quick's settings."""
+    five minutes with the page's and --quick's settings (measured on an H200: ~300 s, the
+    compiles most of it)."""
     groups = loop.plan(loop.MODELS, loop.SETTINGS, loop.BATCHES, loop.OPTIMIZERS, dry=False)
     for settings in (timing.Settings(), timing.Settings(warmup=3, iters=10, max_seconds=0.5)):
         total = loop.estimate_s(groups, settings, False, loop.SETTINGS)
-        assert 120 < total < 210, total
+        assert 240 < total < 360, total
         s = loop.timing_settings(settings)
-        assert s.iters <= 20 and s.warmup <= 3 and s.max_seconds <= 0.3
+        assert s.iters <= 50 and s.warmup <= 3 and s.max_seconds <= 0.5
     assert loop.estimate_s(loop.plan(loop.MODELS, loop.SETTINGS, loop.BATCHES, loop.OPTIMIZERS,
                                      dry=False, compile=False), timing.Settings(), False) < 60
 

@@ -235,11 +235,12 @@ GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops
       // x's split in chunks of its rows (affine epilogue only), w's in chunks of its rows unless
       // the caller gives w's split; one GEMM per pair of chunks (kernel_and_workspace plans the
       // full chunk; the GEMM workspace covers the narrower last chunks on the same kernel too).
-      const int64_t split_row_bytes = int64_t(split_fp16_row_bytes(p.K));
+      // The budgets count the fp32 rows a chunk splits (operand_chunks.hpp says why).
+      const size_t fp32_row_bytes = sizeof(float) * size_t(std::max<int64_t>(p.K, 1));
       plan.x_chunk = e == Epilogue::kAffine
-                         ? copy_chunk_rows(p.M, size_t(split_row_bytes), dispatch::kXCopyChunkBytes)
+                         ? copy_chunk_rows(p.M, fp32_row_bytes, dispatch::kXCopyChunkBytes)
                          : p.M;
-      plan.w_chunk = copy_chunk_rows(p.N, size_t(split_row_bytes), dispatch::kWCopyChunkBytes);
+      plan.w_chunk = copy_chunk_rows(p.N, fp32_row_bytes, dispatch::kWCopyChunkBytes);
       if (e == Epilogue::kAffine)
         dispatch::refine_split_chunks(p.M, p.N, plan.x_chunk, plan.w_chunk);
       const size_t x_bytes = split_fp16_bytes(plan.x_chunk, p.K) + dispatch::row_flag_bytes(p);

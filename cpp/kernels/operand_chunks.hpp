@@ -16,12 +16,14 @@ namespace epifuse::dispatch {
 // K-major copy for cuBLAS) are made a chunk of rows at a time, one GEMM per chunk, so that the copy
 // of a large operand never exists whole (the split of problem 84's 8192x8192 weight is 256 MiB,
 // that of problem 39's dZ^T for dW 256 MiB, its K-major copy of X^T in TF32 256 MiB).
-// w's rows are the output's columns: at most 128 MiB of its copy at a time. x's rows (the output's
-// rows, chunked only for the affine epilogue, whose rows are independent) get twice that, since
-// every chunk of x re-reads every chunk of w: fewer re-splits of w. These keep the training steps'
-// peaks within ~1.1x eager's while a chunk stays about one wave of tiles or more (problem 84's
-// weight: four chunks of 2048 rows, 128 tiles each at M = 1024); measured: experiments/README.md, "Kernel
-// selection".
+// w's rows are the output's columns: at most 128 MiB of the fp32 operand copied at a time. x's rows
+// (the output's rows, chunked only for the affine epilogue, whose rows are independent) get twice
+// that, since every chunk of x re-reads every chunk of w: fewer re-splits of w. These keep the
+// training steps' peaks within ~1.1x eager's while a chunk stays about one wave of tiles or more.
+// The budgets count fp32 rows, not the split's bytes: a 3x split row is the fp32 row's bytes plus a
+// little padding and an exponent, and counting that made problem 84's 8192-row weight three chunks
+// of 2816 rows (88 tiles of 128x256 at M = 1024, two thirds of 132 SMs) instead of two of 4096
+// (128 tiles); measured: experiments/README.md, "Kernel selection".
 constexpr size_t kWCopyChunkBytes = size_t(128) << 20;
 constexpr size_t kXCopyChunkBytes = size_t(256) << 20;
 

@@ -48,8 +48,9 @@ def test_the_pages_table_of_step_gemms():
     row = {"problem": 84, "M": 1024, "K": 8192, "N": 8192, "dtype": "fp32-3xtf32",
            "step_gemms": g}
     head = {"model": "projection", "batch": 4096, "dtype": "fp32-3xtf32", "step_gemms": g}
-    headers, cells, _ = report._step_gemms_table([row, dict(row, step_gemms=None)], [head])
-    assert len(cells) == 2 and headers[6] == "of forward's"
+    headers, cells, _ = report._step_gemms_table(
+        [row, dict(row, step_gemms=None), dict(row, dtype="amp-bf16")], [head])
+    assert len(cells) == 2 and headers[6] == "of forward's"  # default precision only
     assert cells[0] == ["problem 84 1024x8192->8192", "fp32-3xtf32", "0.7000", "200", "1.000",
                         "140", "70%", "0.8000", "175", "88%"]
     assert cells[1][0] == "projection batch 4096"

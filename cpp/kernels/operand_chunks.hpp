@@ -19,7 +19,8 @@ namespace epifuse::dispatch {
 // w's rows are the output's columns: at most 128 MiB of the fp32 operand copied at a time. x's rows
 // (the output's rows, chunked only for the affine epilogue, whose rows are independent) get twice
 // that, since every chunk of x re-reads every chunk of w: fewer re-splits of w. These keep the
-// training steps' peaks within ~1.1x eager's while a chunk stays about one wave of tiles or more.
+// KernelBench problems' training-step peaks within 1.05x eager's (smaller models' steps, whose
+// operands fit one chunk, peak higher: BENCHMARKS.md) while a chunk stays about one wave of tiles.
 // The budgets count fp32 rows, not the split's bytes: a 3x split row is the fp32 row's bytes plus a
 // little padding and an exponent, and counting that made problem 84's 8192-row weight three chunks
 // of 2816 rows (88 tiles of 128x256 at M = 1024, two thirds of 132 SMs) instead of two of 4096

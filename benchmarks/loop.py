@@ -50,8 +50,10 @@ CUDA events around it (``measure_rounds(alone=True)``: the step's latency from a
 host's time included, what a loop that synchronizes every step meets), inputs rotated,
 implementations interleaved in 3 rounds, the median; and the queued GPU time
 (``timing.measure_queued_rounds``: steps issued back to back behind a spin kernel, what the step
-costs when a larger model's GPU work hides the host). The first call of each implementation
-(compilation, CUDA-graph warm-up) is recorded, not timed.
+costs when a larger model's GPU work hides the host); and the host's time per step
+(``host_per_step``: steps issued while a spin kernel keeps the GPU busy, so that only the host's
+share counts: where a step timed alone goes beyond its queued GPU time). The first call of each
+implementation (compilation, CUDA-graph warm-up) is recorded, not timed.
 
 The path: on the first row of each model, batch and setting, one step of each fused
 implementation (eager, and each compiled one after its compiling call: reduce-overhead's
@@ -181,6 +183,21 @@ def timing_settings(s: timing.Settings) -> timing.Settings:
                            max_seconds=min(0.5, s.max_seconds), min_iters=min(5, s.iters))
 
 
+def host_counts(s: timing.Settings) -> dict:
+    """measure_host's counts for a step's host time: rounds of 8 steps behind a busy GPU."""
+    return {"warmup": min(2, s.warmup), "rounds": min(3, s.iters), "calls": min(8, s.iters)}
+
+
+def host_per_step(fn: Callable, pair, device: torch.device, s: timing.Settings) -> dict:
+    """The host's time to issue one step while the GPU is kept busy (so the step only queues
+    its work): Python, dispatch, allocations, launches, the optimizer's and the autograd
+    engine's share included; the GPU's time excluded. gpu_kept_busy False: a step synchronized
+    (GradScaler's check for infs), and the time includes waiting for the GPU."""
+    t = timing.measure_host_checked(lambda: fn(pair), device, **host_counts(s))
+    return {"median_ms": t["median_us"] / 1e3, "min_ms": t["min_us"] / 1e3,
+            "calls": t["calls"], "gpu_kept_busy": t["gpu_kept_busy"]}
+
+
 def queued_counts(s: timing.Settings) -> dict:
     """measure_queued_rounds' counts: rounds of 8 steps (fewer in a dry run's few iterations)."""
     return {"calls": min(8, s.iters), "rounds": min(3, s.iters), "warmup": min(2, s.warmup)}
@@ -198,7 +215,9 @@ def estimate_s(groups, settings: timing.Settings, dry: bool, host_settings=()) -
     if dry:
         return sum(0.3 + (1.6 if g.compile else 0.0) + 0.4 * len(g.optimizers)
                    for g in groups) + 0.3 * len(host_settings)
-    calls = 2 + 1 + s.warmup + s.iters + q["warmup"] + q["calls"] * (q["rounds"] + 1)
+    h = host_counts(settings)
+    calls = (2 + 1 + s.warmup + s.iters + q["warmup"] + q["calls"] * (q["rounds"] + 1)
+             + h["warmup"] + h["calls"] * (h["rounds"] + 1))
     total = EST_FIRST_COMPILE_S if any(g.compile for g in groups) else 0.0
     for g in groups:
         total += EST_GROUP_S + (2 * sum(EST_COMPILE_S) if g.compile else 0.0)
@@ -387,11 +406,17 @@ def run_group(group: LoopGroup, device: torch.device, settings: timing.Settings,
                     errors[impl] = e
                     del fns[impl]
             results = timing.measure_rounds(fns, inputs, device, s, alone=True) if fns else {}
-            queued = timing.measure_queued_rounds(
-                {k: fn for k, fn in fns.items() if not isinstance(results.get(k), Exception)},
-                inputs, device, **q) if fns else {}
+            timed = {k: fn for k, fn in fns.items() if not isinstance(results.get(k), Exception)}
+            queued = timing.measure_queued_rounds(timed, inputs, device, **q) if timed else {}
+            host = {}
+            for impl, fn in timed.items():
+                try:
+                    host[impl] = host_per_step(fn, inputs[0], device, settings)
+                except Exception as e:  # noqa: BLE001
+                    host[impl] = e
         row["timings_ms"] = _timings({**errors, **results})
-        row["queued_ms"] = _timings({**{k: v for k, v in errors.items()}, **queued})
+        row["queued_ms"] = _timings({**errors, **queued})
+        row["host_ms"] = _timings({**errors, **host})
         row["path"] = {k: v for k, v in path.items() if k in models}
         row["first_call_s"] = dict(first_s)
         row["cudagraph_skips"] = dict(skips)

@@ -417,6 +417,9 @@ def _loop_time(r: dict, impl: str, notes: Notes, key: str = "timings_ms") -> str
     if key == "queued_ms" and t.get("gpu_kept_busy") is False:
         cell += " " + notes.ref("queued: the GPU went idle while the host queued the steps (a "
                                 "step synchronized): the time includes the host's")
+    if key == "host_ms" and t.get("gpu_kept_busy") is False:
+        cell += " " + notes.ref("host: a step synchronized (GradScaler's check for infs), so its "
+                                "host time includes waiting for the GPU")
     return cell
 
 
@@ -452,6 +455,8 @@ def _loop_table(rows: Sequence[dict], notes: Notes) -> tuple[list, list, int]:
     def pair(r, impls, key="timings_ms"):
         return " / ".join(_loop_time(r, i, notes, key) for i in impls)
 
+    impls = ("eager", "fused", "compile_ro", "compile_fused_ro")
+    host = any(r.get("host_ms") for r in rows)  # rows measured before the column had none
     cells = [[r["model"], str(r["batch"]), r["setting"], _loop_optimizer(r, notes),
               _loop_path_cell(r, notes)]
              + [_loop_time(r, i, notes) for i in ("eager", "fused", "compile_ro",
@@ -459,11 +464,12 @@ def _loop_table(rows: Sequence[dict], notes: Notes) -> tuple[list, list, int]:
              + [fmt_x(loop_speedup(r, "eager", "fused")),
                 fmt_x(loop_speedup(r, "compile_ro", "compile_fused_ro")),
                 pair(r, ("compile", "compile_fused")),
-                pair(r, ("eager", "fused", "compile_ro", "compile_fused_ro"), "queued_ms")]
+                pair(r, impls, "queued_ms")] + ([pair(r, impls, "host_ms")] if host else [])
              for r in rows]
     return (["model", "batch", "setting", "optimizer", "fused path", "eager ms", "fused ms",
              "compile-RO ms", "compile-RO fused ms", "fused vs eager", "RO fused vs RO",
-             "compile ms unfused / fused", "queued ms eager / fused / RO / RO fused"], cells, 5)
+             "compile ms unfused / fused", "queued ms eager / fused / RO / RO fused"]
+            + (["host ms eager / fused / RO / RO fused"] if host else []), cells, 5)
 
 
 def _loop_host_table(rows: Sequence[dict], notes: Notes) -> tuple[list, list, int]:
@@ -552,7 +558,11 @@ def loop_legend(doc: dict) -> str:
         f"{timer_name(env)} timings of single steps, each from an idle device (synchronized "
         "before it: host latency included), inputs rotated, implementations interleaved in 3 "
         "rounds; queued = the GPU time per step with steps queued back to back "
-        "behind a spin kernel (the host hidden, as behind a backbone's GPU work). 'fused vs "
+        "behind a spin kernel (the host hidden, as behind a backbone's GPU work)"
+        + ("; host = the host's time to issue one step while a spin kernel keeps the GPU busy "
+           "(Python, dispatch, allocations, launches, the optimizer and the autograd engine "
+           "included)" if any(r.get("host_ms") for r in doc.get("loop") or []) else "")
+        + ". 'fused vs "
         "eager' = eager ms / fused ms, 'RO fused vs RO' = compile-RO ms / compile-RO fused ms. "
         "fused path = one step of each fused implementation (eager, compiled, reduce-overhead's "
         "recording step) under torch.profiler ran `epifuse::fused_head` and "

@@ -197,7 +197,8 @@ def test_a_group_gives_a_row_per_optimizer_with_every_implementation(monkeypatch
     rows = loop.run_group(group, CPU, TINY)
     assert [r["optimizer"] for r in rows] == ["sgd", "adamw"] and len(resets) == 2
     for r in rows:
-        assert set(r["timings_ms"]) == set(loop.IMPLS) == set(r["queued_ms"])
+        assert set(r["timings_ms"]) == set(loop.IMPLS) == set(r["queued_ms"]) == set(r["host_ms"])
+        assert all(t["median_ms"] > 0 for t in r["host_ms"].values())
         assert all(t["median_ms"] > 0 and t["alone"] for t in r["timings_ms"].values())
         assert r["optimizer_impl"] == "fused" and r["fused_heads"] == 2
         assert set(r["path"]) == set(loop.FUSED_IMPLS)
@@ -261,6 +262,7 @@ def loop_row(model="projection", batch=256, setting="amp-bf16", optimizer="adamw
             "device": "cuda", "optimizer_impl": opt_impl,
             "timings_ms": {k: _t(v) for k, v in times.items()},
             "queued_ms": {k: _t(v * 0.8, True) for k, v in times.items()},
+            "host_ms": {k: _t(v * 0.5, True) for k, v in times.items()},
             "path": {i: {"forward": ran, "backward": ran, "heads": heads,
                          "reason": None if fused_ok else "CUDA device sm_80 not supported"}
                      for i in loop.FUSED_IMPLS},
@@ -286,7 +288,8 @@ def test_row_format_in_the_markdown_table():
     md = report.markdown_report(doc)
     assert f"## {report.LOOP_TITLE}" in md and f"### {report.LOOP_HOST_TITLE}" in md
     assert ("| projection | 256 | amp-bf16 | AdamW fused | yes (3 heads) | 2.000 | 1.000 | 1.500 "
-            "| 0.7500 | 2.00x | 2.00x | 1.800 / 0.9000 | 1.600 / 0.8000 / 1.200 / 0.6000 |") in md
+            "| 0.7500 | 2.00x | 2.00x | 1.800 / 0.9000 | 1.600 / 0.8000 / 1.200 / 0.6000 "
+            "| 1.000 / 0.5000 / 0.7500 / 0.3750 |") in md
     assert ("| amp-bf16 | 256x2048->4096 | 60.0 | 30.0 | 0.50 | 100.0 | 50.0 | 0.50 | yes | yes |"
             in md)
     assert "reduce-overhead" in md and "cudagraph_mark_step_begin" in md
@@ -308,11 +311,13 @@ def test_a_row_whose_fused_model_fell_back_is_marked():
 def test_default_optimizers_and_idle_queues_get_notes():
     row = loop_row(opt_impl="default (RuntimeError: no fused kernel)")
     row["queued_ms"]["eager"]["gpu_kept_busy"] = False
+    row["host_ms"]["fused"]["gpu_kept_busy"] = False
     row["cudagraph_skips"]["compile_fused_ro"] = 2
     text = report.text_report({"env": GPU_ENV, "loop": [row]})
     assert "AdamW default [1]" in text
     assert "AdamW(fused=True) not supported here: default (RuntimeError: no fused kernel)" in text
     assert "the GPU went idle while the host queued the steps" in text
+    assert "host: a step synchronized (GradScaler's check for infs)" in text
     assert "compile_fused_ro: inductor ran 2 graph(s) without CUDA graphs" in text
 
 
@@ -320,9 +325,10 @@ def test_standalone_page_and_missing_compile():
     row = loop_row()
     row["compile_timed"] = False
     for impl in ("compile", "compile_ro", "compile_fused", "compile_fused_ro"):
-        del row["timings_ms"][impl], row["queued_ms"][impl]
+        del row["timings_ms"][impl], row["queued_ms"][impl], row["host_ms"][impl]
     md = report.loop_markdown({"env": GPU_ENV, "loop": [row], "loop_host": []})
     assert "| 2.000 | 1.000 | - | - | 2.00x | n/a | - / - |" in md
+    assert "| 1.000 / 0.5000 / - / - |" in md
     assert md.startswith("- GPU: H100")
 
 

@@ -52,6 +52,12 @@ def _kinds(events) -> list[tuple[str, object]]:
     return out
 
 
+def gemm_events(prof) -> list:
+    """A finished profile's GEMM ops and head_grad_z calls (what _kinds reads), in start order."""
+    return sorted((e for e in prof.events() if e.name in (FORWARD_OP, BACKWARD_OP, DZ_OP)),
+                  key=lambda e: e.time_range.start)
+
+
 def measure(step: Callable, pair, device: torch.device, steps: int = 3) -> Optional[dict]:
     """{kind: {"ms": GPU ms per step, "tflops": ...}} of ``steps`` calls of ``step(pair)`` (warmed
     up), or None off CUDA or where the step ran no fused head."""
@@ -66,10 +72,8 @@ def measure(step: Callable, pair, device: torch.device, steps: int = 3) -> Optio
         for _ in range(steps):
             step(pair)
         torch.cuda.synchronize(device)
-    events = sorted((e for e in prof.events() if e.name in (FORWARD_OP, BACKWARD_OP, DZ_OP)),
-                    key=lambda e: e.time_range.start)
     totals = {k: [0.0, 0.0] for k in KINDS}  # GPU us, flops
-    for kind, e in _kinds(events):
+    for kind, e in _kinds(gemm_events(prof)):
         totals[kind][0] += e.device_time_total
         totals[kind][1] += _product_flops(list(e.input_shapes[0]), list(e.input_shapes[1]))
     if not totals["forward"][0]:

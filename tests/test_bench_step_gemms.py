@@ -16,10 +16,8 @@ def _gemm_calls(model, x):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 record_shapes=True) as prof:
         (model(x) * 1.5).sum().backward()
-    events = sorted((e for e in prof.events() if e.name in (
-        step_gemms.FORWARD_OP, step_gemms.BACKWARD_OP, step_gemms.DZ_OP)),
-        key=lambda e: e.time_range.start)
-    return [(kind, [list(s) for s in e.input_shapes[:2]]) for kind, e in step_gemms._kinds(events)]
+    return [(kind, [list(s) for s in e.input_shapes[:2]])
+            for kind, e in step_gemms._kinds(step_gemms.gemm_events(prof))]
 
 
 def test_kinds_of_a_fused_models_gemm_calls(fused_on_cpu):

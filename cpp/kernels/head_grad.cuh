@@ -3,8 +3,8 @@
 // and softmax. The passes themselves are one file each (below).
 //
 // Backward of a head: from g = grad of the output to dz = grad of z = x . W^T (the backward's
-// GEMMs, dX = dz . W and dW = dz^T . x, run by the backward_matmul op), plus the gradients of bias, BatchNorm's
-// gamma / beta and the scale. python/epifuse/fold.py ("backward") is the reference for the math;
+// GEMMs, dX = dz . W and dW = dz^T . x, run by the backward_matmul op), plus the gradients of
+// bias, BatchNorm's gamma / beta and the scale. python/epifuse/fold.py ("backward") is the reference for the math;
 // tests hold these kernels to it.
 //
 //   softmax_grad_rowdot     (head_grad_rowdot.cu; softmax heads) one pass over g, out:

@@ -4,8 +4,8 @@
 //
 // Backward of a head: from g = grad of the output to dz = grad of z = x . W^T (the backward's
 // GEMMs, dX = dz . W and dW = dz^T . x, run by the backward_matmul op), plus the gradients of
-// bias, BatchNorm's gamma / beta and the scale. python/epifuse/fold.py ("backward") is the reference for the math;
-// tests hold these kernels to it.
+// bias, BatchNorm's gamma / beta and the scale. python/epifuse/fold.py ("backward") is the
+// reference for the math; tests hold these kernels to it.
 //
 //   softmax_grad_rowdot     (head_grad_rowdot.cu; softmax heads) one pass over g, out:
 //                           r[m] = sum_n g * out, so that dv = out * (g - r[m]) is known element

@@ -327,6 +327,18 @@ def test_product_with_a_large_weight_allocates_chunks_not_its_whole_split():
 
 
 @hopper_only
+def test_chunks_count_the_operands_fp32_rows():
+    """Problem 84's dX = dZ . W: W^T's 8192 rows of K = 8192 (128 MiB of fp32 rows per 4096) are
+    split in two chunks of 4096 rows, 128 tiles of 128x256 per GEMM at M = 1024. Budgets counting
+    the split's padded bytes made three chunks of 2816, whose GEMMs filled two thirds of the SMs
+    (operand_chunks.hpp)."""
+    g = torch.Generator(device=CUDA).manual_seed(17)
+    dz = torch.randn(1024, 8192, device=CUDA, generator=g)
+    w = torch.randn(8192, 8192, device=CUDA, generator=g) / 90.0
+    assert _launches(lambda: ops.backward_matmul(dz, w, "3xtf32"), "split_fp16_tiles") == 2
+
+
+@hopper_only
 def test_tf32_product_copies_a_large_operand_in_chunks():
     """dW = dZ^T . X in TF32 with a K-major copy of X^T larger than 128 MiB: copied and multiplied
     in chunks of its rows (2304 rows of K = 16384 -> 1280 + 1024), each chunk's output columns

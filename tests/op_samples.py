@@ -181,8 +181,8 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0, group_name=""):
             # A head without a scale: its stand-in is not read (and gets no gradient computed)
             case(x, w, bias, gamma, beta, s1, *stats(), precision=prec, training=True,
                  activation="relu", has_scale=False),
-            # A training forward for no backward: bn_fold_train folds and updates in one kernel,
-            # the pass runs in place over z, the output alone comes back ...
+            # A training forward for no backward: bn_fold_train folds and updates, the pass runs
+            # in place over z, the output alone comes back ...
             case(x, w, bias, gamma, beta, s1, *stats(), precision=prec, training=True,
                  softmax=True, for_backward=False),
             # ... or, the statistics not tracked, bn_fold_batch's fold

@@ -335,8 +335,8 @@ def test_a_head_without_a_scale_does_not_read_its_stand_in():
 @pytest.mark.parametrize("for_backward", [True, False], ids=["for-backward", "no-backward"])
 def test_fused_head_updates_the_running_stats_in_training(for_backward, momentum):
     """In training, given num_batches_tracked, fused_head updates the running statistics in place
-    as nn.BatchNorm1d does (a backward's path: bn_fold_batch -> update_running_stats; for no
-    backward: bn_fold_train, one kernel); None, or eval: nothing changes."""
+    as nn.BatchNorm1d does (bn_fold_train: the fold, the moments and the update in one kernel, for
+    a backward or not); None, or eval: nothing changes."""
     args, kwargs = _fused_head_sample(requires_grad=for_backward, softmax=False)
     kwargs.update(momentum=momentum, for_backward=for_backward)
     x, w, bias, gamma, beta, scale, running_mean, running_var, num_batches_tracked = args
@@ -395,8 +395,7 @@ def test_backward_runs_the_fused_ops(fused_on_cpu):
     x = torch.rand(8, IN, requires_grad=True)
     with traced_epifuse_ops() as calls:
         y = new(x)
-    assert calls == ["fused_head", "gemm_colstats", "bn_fold_batch", "update_running_stats",
-                     "affine_softmax"]
+    assert calls == ["fused_head", "gemm_colstats", "bn_fold_train", "affine_softmax"]
     with traced_epifuse_ops() as calls:
         y.sum().backward()  # an expanded (stride 0) gradient
     assert calls == ["fused_head_backward", "softmax_grad_rowdot", "head_grad_sums",
@@ -664,8 +663,7 @@ def test_compile_fullgraph_training_step(number):
         vanishing = name == "gemm.bias" or (number == 39 and name == "scale")
         floor = oracle.gemm.weight.grad.norm().item() if vanishing else 0.0
         assert _err(p.grad, q.grad, floor) <= 1e-4, name
-    # The running statistics, updated in place by the op (its update_running_stats), inside the
-    # graph.
+    # The running statistics, updated in place by the op (its bn_fold_train), inside the graph.
     assert new.bn.num_batches_tracked.item() == 1
     for name in ("bn.running_mean", "bn.running_var"):
         assert _err(new.get_buffer(name), oracle.get_buffer(name)) <= 1e-5, name
@@ -674,8 +672,9 @@ def test_compile_fullgraph_training_step(number):
 @pytest.mark.hopper
 @pytest.mark.parametrize("number", [84, 39], ids=["p84", "p39"])
 def test_training_step_folds_once(number):
-    """A training step (forward and backward) launches one fold and one running-statistics update,
-    from the moments the fold wrote (no second fold for the update), with BatchNorm's result."""
+    """A training step (forward and backward) launches one fold, which also writes the moments the
+    backward reads and updates the running statistics (no second fold, no separate update), with
+    BatchNorm's result."""
     ref, new = _pair(number, init_args(number, 256, 128), "ieee")
     oracle = float64_twin(ref).train()
     new.train()
@@ -687,7 +686,7 @@ def test_training_step_folds_once(number):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events()]
     assert sum("bn_fold_kernel" in k for k in kernels) == 1, kernels
-    assert sum("running_stats_kernel" in k for k in kernels) == 1, kernels
+    assert sum("running_stats_kernel" in k for k in kernels) == 0, kernels
     for _ in range(2):
         oracle(x.double())
     assert new.bn.num_batches_tracked.item() == 2

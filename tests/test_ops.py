@@ -157,13 +157,16 @@ def test_bn_fold_train_cpu_matches_batchnorm1d(momentum, position):
         bn.num_batches_tracked.fill_(4)
     rm, rv, nbt = bn.running_mean.float(), bn.running_var.float(), bn.num_batches_tracked.clone()
     pre, post = (scale, None) if position == "pre" else (None, scale)
-    a, c = ops.bn_fold_train(z.sum(0), (z * z).sum(0), m, bias, gamma, beta, pre, post, rm, rv,
-                             nbt, momentum=momentum, eps=bn.eps)
+    a, c, moments = ops.bn_fold_train(z.sum(0), (z * z).sum(0), m, bias, gamma, beta, pre, post,
+                                      rm, rv, nbt, momentum=momentum, eps=bn.eps)
     u = (z + bias.double()) * (scale.double() if pre is not None else 1)
     with torch.no_grad():
         expected = bn.train()(u) * (scale.double() if post is not None else 1)
     assert a.dtype == c.dtype == torch.float32
     torch.testing.assert_close(a.double() * z + c.double(), expected, rtol=1e-5, atol=1e-5)
+    # The batch's moments of u (mean, biased variance, rows): what the backward normalizes with.
+    torch.testing.assert_close(moments, torch.cat([u.mean(0), u.var(0, unbiased=False),
+                                                   u.new_full((1,), m)]))
     torch.testing.assert_close(rm, bn.running_mean.float())
     torch.testing.assert_close(rv, bn.running_var.float())
     assert nbt.item() == bn.num_batches_tracked.item() == 5
@@ -515,12 +518,17 @@ def test_bn_fold_train_and_eval(dtype_id, n, scale, pos, momentum):
     s = p["s1"] if scale == "1" else p["sn"]
     pre, post = (s, None) if pos == "pre" else (None, s)
     rm, rv, nbt = p["rm"].clone(), p["rv"].clone(), torch.tensor(2, device=CUDA)
-    a, c = ops.bn_fold_train(p["colsum"], p["colsumsq"], p["m"], p["bias"], p["gamma"], p["beta"],
-                             pre, post, rm, rv, nbt, momentum=momentum, eps=1e-5)
+    a, c, moments = ops.bn_fold_train(p["colsum"], p["colsumsq"], p["m"], p["bias"], p["gamma"],
+                                      p["beta"], pre, post, rm, rv, nbt, momentum=momentum,
+                                      eps=1e-5)
     f = fold.fold_train(p["colsum"], p["colsumsq"], p["m"], p["bias"], p["gamma"], p["beta"],
                         pre, post, 1e-5)
     assert a.dtype == c.dtype == torch.float32 and a.shape == c.shape == (n,)
     assert rel_err(a, f.a) <= 1e-6 and rel_err(c, f.c) <= 1e-6
+    # The batch's moments, as bn_fold_batch writes them (the backward's input).
+    assert moments.dtype == torch.float64 and moments.shape == (2 * n + 1,)
+    torch.testing.assert_close(moments, fold.moments_vector(f.mean, f.var, p["m"]), rtol=1e-12,
+                               atol=0)
     rm_ref, rv_ref, nbt_ref = p["rm"].clone(), p["rv"].clone(), torch.tensor(2, device=CUDA)
     fold.update_running_stats(rm_ref, rv_ref, nbt_ref, f.mean, f.var, p["m"], momentum)
     buf_tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]

@@ -198,8 +198,8 @@ def test_gradients_match_model(number, fused_on_cpu):
         y_new = new(x)
     assert y_new.grad_fn.name() == FUSED_NODE
     # With autograd the output is written out of place (z is saved for the backward), and the op
-    # updates the running statistics from the moments it folded with (no second fold).
-    assert calls == ["fused_head", "gemm_colstats", "bn_fold_batch", "update_running_stats",
+    # folds, keeps the moments and updates the running statistics in one kernel (bn_fold_train).
+    assert calls == ["fused_head", "gemm_colstats", "bn_fold_train",
                      "affine_softmax" if number == 84 else "affine"]
     w = torch.randn_like(y_ref)
     g_ref = torch.autograd.grad((y_ref * w).sum(), [x, *ref.parameters()])

@@ -1,10 +1,10 @@
 // The BatchNorm fold: per-column (a, c) with y = a[n] * z[m, n] + c[n], where z = x . W^T and
 //   y = post_scale * BatchNorm(pre_scale * (z + bias)),   BatchNorm(u) = gamma * (u - mu) * invstd + beta.
-// Training mode takes mu / var from the batch (colsum, colsumsq over `count` rows) and updates the
-// running statistics as nn.BatchNorm1d does (bn_fold_batch: writes the batch moments instead, for the
-// backward, and leaves the running statistics alone); eval mode reads the running statistics.
-// update_running_stats: the running-statistics update alone, from the moments bn_fold_batch (or the
-// synchronized fold) wrote, so a differentiable step folds once and updates without folding again.
+// Training mode takes mu / var from the batch (colsum, colsumsq over `count` rows), writes the batch
+// moments for the backward and updates the running statistics as nn.BatchNorm1d does (bn_fold_train;
+// bn_fold_batch leaves them alone); eval mode reads the running statistics.
+// update_running_stats: the running-statistics update alone, from the moments the synchronized fold
+// wrote (its merged statistics are only known after the collective).
 // python/epifuse/fold.py is the reference for this math; tests hold this kernel to it.
 //
 // One thread per column over as many blocks as the columns need (the fold is a few fp64 divisions
@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kCumulativeThreads)
 bn_fold_kernel(FoldProblem f, const double* __restrict__ colsum, const double* __restrict__ colsumsq,
                int64_t count, S* running_mean, S* running_var, int64_t* num_batches_tracked,
                double momentum, bool training, double* moments) {
-  // Null running statistics in training: bn_fold_batch, which writes `moments` instead.
+  // Null running statistics in training: bn_fold_batch, which only writes `moments`.
   const bool update = training && running_mean != nullptr;
   const double factor = update ? update_factor(momentum, num_batches_tracked) : 0.0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -130,16 +130,16 @@ void launch(const FoldProblem& f, const double* colsum, const double* colsumsq, 
                          num_batches_tracked, momentum, training, moments, stream);
     }
   });
-  check_launch(!training ? "bn_fold_eval" : moments ? "bn_fold_batch" : "bn_fold_train");
+  check_launch(!training ? "bn_fold_eval" : running_mean ? "bn_fold_train" : "bn_fold_batch");
 }
 
 }  // namespace
 
 void bn_fold_train(const FoldProblem& f, const double* colsum, const double* colsumsq, int64_t count,
                    void* running_mean, void* running_var, int64_t* num_batches_tracked,
-                   double momentum, cudaStream_t stream) {
+                   double momentum, double* moments, cudaStream_t stream) {
   launch(f, colsum, colsumsq, count, running_mean, running_var, num_batches_tracked, momentum,
-         /*training=*/true, /*moments=*/nullptr, stream);
+         /*training=*/true, moments, stream);
 }
 
 void bn_fold_batch(const FoldProblem& f, const double* colsum, const double* colsumsq,

@@ -1,6 +1,7 @@
 // The fold ops: BatchNorm (with the head's bias and scale) reduced to out = a[n] * z + c[n].
 //
-//   bn_fold_train         the batch statistics' fold, and the running statistics updated in place
+//   bn_fold_train         the batch statistics' fold and their moments, the running statistics
+//                         updated in place: one kernel (a training forward's whole fold)
 //   bn_fold_eval          the running statistics' fold (eval)
 //   bn_fold_batch         the batch statistics' fold and their moments, nothing updated
 //   update_running_stats  nn.BatchNorm's running-statistics update from a fold's moments
@@ -53,7 +54,7 @@ void check_count(int64_t count) {
 
 }  // namespace
 
-Tensor2 bn_fold_train(const Tensor& colsum, const Tensor& colsumsq, int64_t count,
+Tensor3 bn_fold_train(const Tensor& colsum, const Tensor& colsumsq, int64_t count,
                       const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
                       const OptTensor& pre_scale, const OptTensor& post_scale,
                       const Tensor& running_mean, const Tensor& running_var,
@@ -73,12 +74,13 @@ Tensor2 bn_fold_train(const Tensor& colsum, const Tensor& colsumsq, int64_t coun
                                             num_batches_tracked, momentum, eps);
   }
   const auto guard = guard_for(gamma, op, "gamma");
-  auto outputs = fold_outputs(gamma, f);
+  auto [a, c] = fold_outputs(gamma, f);
+  Tensor moments = new_cuda({2 * f.N + 1}, gamma.options().dtype(at::kDouble));
   ::epifuse::bn_fold_train(f, colsum.data_ptr<double>(), colsumsq.data_ptr<double>(), count,
                            running_mean.data_ptr(), running_var.data_ptr(),
                            num_batches_tracked.data_ptr<int64_t>(), momentum ? *momentum : -1.0,
-                           current_stream());
-  return outputs;
+                           moments.data_ptr<double>(), current_stream());
+  return {a, c, moments};
 }
 
 Tensor2 bn_fold_eval(const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
@@ -151,9 +153,10 @@ std::vector<std::string> schemas() {
   const std::string fold_params =
       "Tensor? bias, Tensor gamma, Tensor beta, Tensor? pre_scale, Tensor? post_scale, ";
   return {
+      // (a, c, moments): bn_fold_batch's outputs, and the running statistics updated in place.
       "bn_fold_train(Tensor colsum, Tensor colsumsq, int count, " + fold_params +
           "Tensor(a!) running_mean, Tensor(b!) running_var, Tensor(c!) num_batches_tracked, " +
-          head_schema_kwargs({"momentum", "eps"}) + ") -> (Tensor, Tensor)",
+          head_schema_kwargs({"momentum", "eps"}) + ") -> (Tensor, Tensor, Tensor)",
       "bn_fold_eval(" + fold_params + "Tensor running_mean, Tensor running_var, " +
           head_schema_kwargs({"eps"}) + ") -> (Tensor, Tensor)",
       // (a, c, moments); moments: float64 [mean (N), biased variance (N), count] of u, what the

@@ -4,9 +4,9 @@
 //
 //   fused_head           gemm_colstats -> fold -> affine_softmax / affine, the running statistics
 //                        updated in training (when num_batches_tracked is given):
-//                          batch, for a backward    bn_fold_batch -> update_running_stats
-//                          batch, no backward       bn_fold_train (fold and update in one kernel),
-//                                                   then the pass in place over z
+//                          batch                    bn_fold_train (fold, moments and update in one
+//                                                   kernel); for no backward the pass runs in
+//                                                   place over z
 //                          synchronized             synced_batch_fold -> update_running_stats
 //                          eval                     bn_fold_eval
 //                          eval, no backward        bn_fold_eval -> gemm_affine (the fold and the
@@ -93,19 +93,19 @@ Tensor7 eval_head_without_backward(const Tensor& x, const Tensor& weight, const 
 }
 
 // The training fold, with the running statistics updated where asked (num_batches_tracked given):
-// (a, c, moments). Without a backward to feed and without synchronization, bn_fold_train folds and
-// updates in one kernel and the moments are not needed (left undefined).
+// (a, c, moments). Without synchronization bn_fold_train folds, writes the moments and updates in
+// one kernel; synchronized, the merged statistics are known only after the collective, and the
+// update follows the fold.
 Tensor3 training_fold(const Tensor& colsum, const Tensor& colsumsq, int64_t count,
                       const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
                       const OptTensor& pre, const OptTensor& post, const Tensor& running_mean,
                       const Tensor& running_var, const OptTensor& num_batches_tracked,
                       const HeadConfig& cfg) {
   const bool synced = !cfg.group_name.empty();
-  if (num_batches_tracked && !cfg.for_backward && !synced) {
-    const auto [a, c] = EPIFUSE_OP(bn_fold_train).call(
-        colsum, colsumsq, count, bias, gamma, beta, pre, post, running_mean, running_var,
-        *num_batches_tracked, cfg.momentum, cfg.eps);
-    return {a, c, Tensor()};
+  if (num_batches_tracked && !synced) {
+    return EPIFUSE_OP(bn_fold_train).call(colsum, colsumsq, count, bias, gamma, beta, pre, post,
+                                          running_mean, running_var, *num_batches_tracked,
+                                          cfg.momentum, cfg.eps);
   }
   // Statistics over every rank of the group, or this batch's.
   const Tensor3 fold =
@@ -114,8 +114,7 @@ Tensor3 training_fold(const Tensor& colsum, const Tensor& colsumsq, int64_t coun
              : EPIFUSE_OP(bn_fold_batch).call(colsum, colsumsq, count, bias, gamma, beta, pre,
                                               post, cfg.eps);
   if (num_batches_tracked) {
-    // From the moments the fold used (the batch's, or all ranks' merged ones, whose count stays on
-    // the device): one kernel, no second fold.
+    // From the moments the fold used (all ranks' merged ones, whose count stays on the device).
     EPIFUSE_OP(update_running_stats).call(std::get<2>(fold), running_mean, running_var,
                                           *num_batches_tracked, cfg.momentum);
   }

@@ -44,7 +44,7 @@ Tensor backward_matmul(const Tensor& a, const Tensor& b, c10::string_view precis
 Tensor gemm_operand(const Tensor& t, at::ScalarType dtype);
 
 // ---- fold.cpp --------------------------------------------------------------------------------
-Tensor2 bn_fold_train(const Tensor& colsum, const Tensor& colsumsq, int64_t count,
+Tensor3 bn_fold_train(const Tensor& colsum, const Tensor& colsumsq, int64_t count,
                       const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
                       const OptTensor& pre_scale, const OptTensor& post_scale,
                       const Tensor& running_mean, const Tensor& running_var,

@@ -240,11 +240,12 @@ struct FoldProblem {
 };
 
 // Training: batch statistics from colsum/colsumsq over `count` rows; updates the running statistics
-// in place (running_mean/var in param dtype, num_batches_tracked int64). momentum < 0 means None
+// in place (running_mean/var in param dtype, num_batches_tracked int64) and writes the batch's
+// moments as bn_fold_batch does (the backward's input), all in one kernel. momentum < 0 means None
 // (cumulative average).
 void bn_fold_train(const FoldProblem& f, const double* colsum, const double* colsumsq, int64_t count,
                    void* running_mean, void* running_var, int64_t* num_batches_tracked,
-                   double momentum, cudaStream_t stream);
+                   double momentum, double* moments, cudaStream_t stream);
 
 // Eval: running statistics (read only) in the parameters' dtype, or float64 (stats_fp64: the
 // moments a backward kept, folded without casting them first).

@@ -13,7 +13,7 @@ def _bn_fold_train(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_s
     f = fold.fold_train(colsum, colsumsq, count, bias, gamma, beta, pre_scale, post_scale, eps)
     fold.update_running_stats(running_mean, running_var, num_batches_tracked, f.mean, f.var,
                               count, momentum)
-    return f.a.float(), f.c.float()
+    return f.a.float(), f.c.float(), fold.moments_vector(f.mean, f.var, count)
 
 
 @reference("bn_fold_eval")
@@ -43,7 +43,7 @@ def _bn_fold_train_fake(colsum, colsumsq, count, bias, gamma, beta, pre_scale, p
                         running_mean, running_var, num_batches_tracked, *, momentum=_D.momentum,
                         eps=_D.eps):
     n = colsum.shape[0]
-    return vec_f32(colsum, n), vec_f32(colsum, n)
+    return vec_f32(colsum, n), vec_f32(colsum, n), colsum.new_empty((2 * n + 1,), dtype=F64)
 
 
 @fake("bn_fold_eval")

@@ -234,6 +234,41 @@ def test_backward_matmul_transposed_views(precision, tol):
         assert _ran_split_gemm(lambda: ops.backward_matmul(dz.t(), x, precision))
 
 
+def _misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a tensor whose data starts 4 bytes past a 16-byte boundary."""
+    base = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = base[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@hopper_only
+@pytest.mark.parametrize("rows", [2048, 1000], ids=["K2048", "K1000-padded"])
+def test_transposed_split_tiles_agree(rows):
+    """The split of a transposed operand (dW = dZ^T . X: both row-contiguous views) in 64 x 64 tiles
+    of 16-byte vectors gives the general 32 x 64 tiles' parts bit for bit: the same dW, NaN and Inf
+    rows included (dZ^T's rows are dW's, recomputed in IEEE fp32), from 16-byte-aligned operands
+    (the wide tiles) and from the same values 4 bytes off (the general tiles)."""
+    # dW [1536, 1040] over K = rows (1000: a last k-tile of the split padded with zeros, and 1040
+    # rows of X^T end in a partial 64-row tile), past the 2^30 multiply-adds below which SGEMM runs.
+    g = torch.Generator(device=CUDA).manual_seed(17)
+    dz = torch.randn(rows, 1536, device=CUDA, generator=g) * 3
+    x = torch.rand(rows, 1040, device=CUDA, generator=g) + 1
+    x[:, 7] *= 2.0 ** -30  # a row of X^T far below the others
+    dz[5, 9], dz[11, 300] = float("nan"), float("inf")
+    dz_off, x_off = _misaligned_copy(dz), _misaligned_copy(x)
+    wide = _kernels_run(lambda: ops.backward_matmul(dz.t(), x, "3xtf32"))
+    general = _kernels_run(lambda: ops.backward_matmul(dz_off.t(), x_off, "3xtf32"))
+    assert any("split_fp16_tiles_wide" in k for k in wide), wide
+    assert not any("split_fp16_tiles_wide" in k for k in general), general
+    a = ops.backward_matmul(dz.t(), x, "3xtf32")
+    b = ops.backward_matmul(dz_off.t(), x_off, "3xtf32")
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    finite = torch.isfinite(dz).all(0)
+    assert not finite[9] and not finite[300] and int(finite.sum()) == 1534
+    assert rel_err(a[finite], (dz.double().T @ x.double())[finite]) <= 1e-6
+
+
 def _launches(fn, name: str) -> int:
     """How many CUDA kernels whose name contains ``name`` fn() launches."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

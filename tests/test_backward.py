@@ -759,6 +759,9 @@ def _copies_in(fn) -> int:
 _COPY_CASES = {
     "dW": (2304, 2048, 2048, torch.float32, 1),         # both MN-major: one copy (a tie: X^T)
     "dW-narrow": (2304, 256, 2048, torch.float32, 1),   # both MN-major: dZ^T, the smaller
+    # The projection MLP's 4096 x 4096 dW at batch 4096: X^T's 64 MiB copy in two chunks of 2048
+    # rows (each product 256 of cuBLAS's 128x256 tiles), so the step holds 32 MiB of copy.
+    "dW-two-chunks": (4096, 4096, 4096, torch.float32, 2),
     "dX": (2304, 2048, 2048, torch.float32, 0),         # W MN-major, few rows: cuBLAS as is
     "dX-many-rows": (8192, 2048, 2048, torch.float32, 1),  # W MN-major, 8192 rows: W^T copied
     "small": (256, 384, 512, torch.float32, 0),

@@ -28,6 +28,25 @@ namespace {
 constexpr int64_t kKMajorCopyMinOther = 2048;
 constexpr int64_t kWCopyMinRows = 8192;
 
+// A copy is the one thing the fused step holds that eager's does not: the projection MLP's TF32
+// step (batch 4096) peaked at 520 MiB against eager's 456, the 64 MiB copy of its 4096 x 4096 dW's
+// operand beside the product. A copy over kRefineCopyBytes is therefore halved while each chunk's
+// product keeps kMinCopyChunkTiles of cuBLAS's 128x256 tiles (about two waves on 132 SMs, so the
+// chunks cost no more waves than the whole: 4096 x 4096 x 4096 in two chunks of 256 tiles is 4
+// waves either way). Problems 84 and 39 keep their chunks (32 MiB; 128 MiB chunks of 256 tiles).
+constexpr size_t kRefineCopyBytes = size_t(32) << 20;
+constexpr int64_t kMinCopyChunkTiles = 256;
+
+int64_t refine_copy_chunk(int64_t rows, int64_t n, int64_t m, size_t row_bytes) {
+  auto wide_tiles = [&](int64_t r) { return ((m + 127) / 128) * ((r + 255) / 256); };
+  while (size_t(rows) * row_bytes > kRefineCopyBytes) {
+    const int64_t half = dispatch::copy_chunk_rows(n, row_bytes, size_t(rows) * row_bytes / 2);
+    if (half >= rows || wide_tiles(half) < kMinCopyChunkTiles) break;
+    rows = half;
+  }
+  return rows;
+}
+
 }  // namespace
 
 // EPIFUSE_TF32_K_MAJOR_COPIES=0 (DebugSwitches::tf32_k_major_copies) turns the copies off (to
@@ -52,8 +71,10 @@ KMajorCopies cublas_tf32_k_major_copies(const GemmProblem& p, int cc_major, int 
   // 256 MiB, two chunks of 2048 rows (the product's output columns), each 128 x 16 of cuBLAS's
   // 128x256 tiles.
   if (copies.w) {
-    const int64_t rows = dispatch::copy_chunk_rows(
-        p.N, sizeof(float) * size_t(std::max<int64_t>(p.K, 1)), dispatch::kWCopyChunkBytes);
+    const size_t row_bytes = sizeof(float) * size_t(std::max<int64_t>(p.K, 1));
+    const int64_t rows = refine_copy_chunk(
+        dispatch::copy_chunk_rows(p.N, row_bytes, dispatch::kWCopyChunkBytes), p.N, p.M,
+        row_bytes);
     copies.w_chunk = rows < p.N ? rows : 0;
   }
   return copies;

@@ -24,6 +24,7 @@ DebugSwitches DebugSwitches::from_environment() {
   s.narrow_small_m = !equals("EPIFUSE_NARROW_SMALL_M", "0");
   s.tf32_k_major_copies = !equals("EPIFUSE_TF32_K_MAJOR_COPIES", "0");
   s.fp16_product = !equals("EPIFUSE_FP16_PRODUCT", "0");
+  s.split_wide_tiles = !equals("EPIFUSE_SPLIT_WIDE_TILES", "0");
   return s;
 }
 

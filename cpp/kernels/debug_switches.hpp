@@ -1,7 +1,7 @@
 // The library's debug switches: the environment variables that force a path the GEMM heuristics
 // would not take, so that tests can cover it on any machine and benchmarks can measure it against
 // the default. Nothing else in cpp/ reads the environment; every reader goes through
-// debug_switches(), which reads all five once, at its first call (a thread-safe static), so a
+// debug_switches(), which reads all six once, at its first call (a thread-safe static), so a
 // process sets them before its first GEMM (experiments/gemm_precision.py runs a child per setting).
 //
 // Unset, every switch leaves the default path. A value other than the ones named below (e.g.
@@ -43,6 +43,12 @@ struct DebugSwitches {
   // epilogue (fp16_product_plan.cu). Exists to measure the Hopper kernel against that pair. Only
   // "0" turns the Hopper kernel off.
   bool fp16_product = true;
+
+  // EPIFUSE_SPLIT_WIDE_TILES=0: the 3x split of a row-contiguous operand (a transposed view: the
+  // backward's W^T, dZ^T, X^T) takes the general 32 x 64 tiles of single elements instead of the
+  // 64 x 64 tiles of 16-byte vectors (split_fp16.cu). Exists to measure the two against each
+  // other. Only "0" turns the wide tiles off.
+  bool split_wide_tiles = true;
 
   // The switches as the process environment sets them now.
   static DebugSwitches from_environment();

@@ -12,10 +12,12 @@
 // Two paths:
 //  - rows along K, 16-byte aligned, K <= 8192 (the forward's x and weight): one block per row,
 //    the row held in registers between its maximum and its split: one read, one write;
-//  - any other strides (the backward's transposed views) or K: 32x32 tiles through shared memory,
-//    so that reads along whichever extent is contiguous and writes along K are coalesced; a first
+//  - any other strides (the backward's transposed views) or K: tiles through shared memory, so
+//    that reads along whichever extent is contiguous and writes along K are coalesced; a first
 //    pass takes the rows' maxima (atomicMax on the bits of non-negative floats; for a row-
-//    contiguous source straight from global memory), the second splits.
+//    contiguous source straight from global memory), the second splits. A row-contiguous source
+//    (a transposed view: dX's W^T, dW's dZ^T and X^T) with 16-byte rows of 4 takes 64 x 64 tiles
+//    moved in 16-byte vectors both ways; anything else 32 x 64 tiles of single elements.
 //
 // NaN and +-Inf keep hi = v (FP16's NaN / Inf), lo = 0, leave the row's scale to its finite
 // values, and flag the row: the GEMM then recomputes such rows of x in IEEE fp32 (the cross terms
@@ -23,6 +25,7 @@
 #include <algorithm>
 
 #include "cuda_utils.cuh"
+#include "debug_switches.hpp"
 #include "split_fp16.hpp"
 
 namespace epifuse {
@@ -200,6 +203,75 @@ split_fp16_tiles_kernel(const float* __restrict__ src, int64_t rows, int64_t col
   }
 }
 
+// The split of a row-contiguous source (src[r, k] = src[r + k * ld_col]) in tiles of 64 rows x
+// 64 k: thread (lane, q) loads the float4 of rows 4 lane .. 4 lane + 3 at k = q, q + 16, ..., so
+// 16 lanes read 256 contiguous bytes; after the transpose through shared memory thread (j, r)
+// splits k = 8j .. 8j + 7 of rows r and r + 32 and stores 16 bytes of hi parts and 16 of lo parts,
+// a row's piece of a layout block written whole by four lanes. Four 16-byte loads and four
+// 16-byte stores a thread, where the 32 x 64 tiles (above) take 8 single loads and 8 4-byte
+// stores: with those, problem 39's X^T split (16384 x 4096 fp32, its maxima pass included) took
+// 0.327 ms against 0.132 for its row-major X.
+constexpr int kWideTile = 64;
+constexpr int kWideThreads = 256;
+constexpr int kWideStride = kWideTile + 1;  // a row of the tile: +1, 2-way bank conflicts at most
+
+__global__ void __launch_bounds__(kWideThreads)
+split_fp16_tiles_wide_kernel(const float* __restrict__ src, int64_t rows, int64_t cols,
+                             int64_t ld_col, const unsigned* __restrict__ row_max,
+                             __half* __restrict__ parts, int64_t ld, float* __restrict__ exponents,
+                             int* __restrict__ nonfinite_rows) {
+  __shared__ float tile[kWideTile * kWideStride];  // [row][k]
+  __shared__ int exps[kWideTile];
+  const int t = threadIdx.x;
+  const int64_t r0 = int64_t(blockIdx.y) * kWideTile, k0 = int64_t(blockIdx.x) * kWideTile;
+  {
+    const int lane = t % 16, q = t / 16;
+    const int64_t row = r0 + 4 * lane;  // rows % 4 == 0: all four rows or none
+    float4 v[kWideTile / 16];
+#pragma unroll
+    for (int i = 0; i < kWideTile / 16; ++i) {
+      const int64_t k = k0 + q + 16 * i;
+      v[i] = (row < rows && k < cols)
+                 ? __ldg(reinterpret_cast<const float4*>(src + row + k * ld_col))
+                 : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < kWideTile / 16; ++i) {
+      float* col = tile + (4 * lane) * kWideStride + q + 16 * i;
+      col[0] = v[i].x, col[kWideStride] = v[i].y;
+      col[2 * kWideStride] = v[i].z, col[3 * kWideStride] = v[i].w;
+    }
+  }
+  if (t < kWideTile && r0 + t < rows) {
+    const int e = row_exponent(__uint_as_float(row_max[r0 + t]));
+    exps[t] = e;
+    if (k0 == 0) exponents[r0 + t] = float(e);
+  }
+  __syncthreads();
+  const int j = t % 8;
+  const int64_t k = k0 + 8 * j;
+  if (k >= ld / 2) return;  // past the padded K (a multiple of 32: groups of 8 never straddle it)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = t / 8 + 32 * half;
+    const int64_t row = r0 + r;
+    if (row >= rows) break;
+    const int e = exps[r];
+    const float* p = tile + r * kWideStride + 8 * j;
+    __align__(16) __half hi[8], lo[8];
+    bool finite = true;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      split_value(p[i], e, hi[i], lo[i]);
+      finite = finite && isfinite(p[i]);
+    }
+    if (!finite && nonfinite_rows != nullptr) nonfinite_rows[row] = 1;  // every writer: 1
+    __half* out = parts + row * ld + (k / kBlockK) * kBlock + k % kBlockK;
+    *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(hi);
+    *reinterpret_cast<uint4*>(out + kBlockK) = *reinterpret_cast<const uint4*>(lo);
+  }
+}
+
 template <int kVecs>
 void launch_rows(const float* src, int64_t rows, int64_t cols, int64_t ld_row, __half* parts,
                  int64_t ld, float* exponents, int* nonfinite_rows, cudaStream_t stream) {
@@ -268,6 +340,23 @@ void split_fp16(const float* src, int64_t rows, int64_t cols, int64_t ld_row, in
         check_launch("split_fp16 (column maxima)");
       }
     }
+  }
+  // A row-contiguous source in 16-byte vectors of 4 rows: the 64 x 64 tiles
+  // (EPIFUSE_SPLIT_WIDE_TILES=0: the 32 x 64 ones, to measure them against each other).
+  const bool wide = rows_contiguous && rows % 4 == 0 && ld_col % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(src) % 16 == 0 && debug_switches().split_wide_tiles;
+  if (wide) {
+    constexpr int64_t kWideBandRows = int64_t(65535) * kWideTile;
+    const unsigned k_wide_tiles = unsigned((ld / 2 + kWideTile - 1) / kWideTile);
+    for (int64_t r = 0; r < rows; r += kWideBandRows) {
+      const int64_t band = std::min(kWideBandRows, rows - r);
+      const unsigned row_tiles = unsigned((band + kWideTile - 1) / kWideTile);
+      split_fp16_tiles_wide_kernel<<<dim3(k_wide_tiles, row_tiles), kWideThreads, 0, stream>>>(
+          src + r, band, cols, ld_col, row_max + r, parts + r * ld, ld, exponents + r,
+          nonfinite_rows != nullptr ? nonfinite_rows + r : nullptr);
+      check_launch("split_fp16 (wide tiles)");
+    }
+    return;
   }
   for (int pass = rows_contiguous ? 1 : 0; pass < 2; ++pass) {
     for (int64_t r = 0; r < rows; r += kBandRows) {

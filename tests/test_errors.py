@@ -605,15 +605,16 @@ OP_ERRORS += [
          words("gemm_colstats", "precision", "'bogus'")),
     Case("fused_head", "training-batch-of-1", {"x": lambda v, d: v[:1]}, V,
          words("more than 1 value per channel")),
-    Case("fused_head", "eps<0", {"eps": -1.0}, V, words("bn_fold_batch", "eps", "non-negative")),
-    Case("fused_head", "beta-length", {"beta": _vec(4)}, R, words("bn_fold_batch", "beta", "[3]")),
+    # (bn_fold_train: the fold, the moments and the running statistics' update in one kernel)
+    Case("fused_head", "eps<0", {"eps": -1.0}, V, words("bn_fold_train", "eps", "non-negative")),
+    Case("fused_head", "beta-length", {"beta": _vec(4)}, R, words("bn_fold_train", "beta", "[3]")),
     Case("fused_head", "running_var-length", {"running_var": _vec(4)}, R,
-         words("update_running_stats", "running_var", "[3]", "[4]")),
+         words("bn_fold_train", "running_var", "[3]", "[4]")),
     Case("fused_head", "nbt-int32", {"num_batches_tracked": _as(torch.int32)}, R,
-         words("update_running_stats", "num_batches_tracked", "int64")),
+         words("bn_fold_train", "num_batches_tracked", "int64")),
     Case("fused_head", "momentum>1", {"momentum": 1.5}, V,
-         words("update_running_stats", "momentum", "[0, 1]")),
-    # ... for no backward (bn_fold_train: the fold and the update in one kernel)
+         words("bn_fold_train", "momentum", "[0, 1]")),
+    # ... for no backward (the same fold, then the pass in place over z)
     Case("fused_head", "no-backward-running_var-length", {"running_var": _vec(4)}, R,
          words("bn_fold_train", "running_var", "[3]", "[4]"), sample=7),
     Case("fused_head", "no-backward-momentum>1", {"momentum": 1.5}, V,

@@ -12,7 +12,6 @@ splits), problem 84's dX = dZ . W (W^T, 8192 x 8192: two chunks of 4096 rows) an
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
 
@@ -27,6 +26,7 @@ def child() -> None:
     import torch
 
     from epifuse import ops
+    from epifuse.__main__ import median_ms
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (a_shape, b_shape, kind) in CASES.items():
@@ -34,16 +34,7 @@ def child() -> None:
         b = torch.randn(*b_shape, device="cuda", generator=g)
         fn = (lambda: ops.backward_matmul(dz.t(), b, "3xtf32")) if kind == "dw" else \
              (lambda: ops.backward_matmul(dz, b, "3xtf32"))
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(20):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
+        ms = median_ms(fn, 20, torch.device("cuda"))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
@@ -53,7 +44,7 @@ def child() -> None:
                 key = ev.name.split("(")[0].split("::")[-1].split("<")[0]
                 splits[key] = splits.get(key, 0.0) + ev.device_time / 1e3
         parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(splits.items()))
-        print(f"{name}: {statistics.median(times):.3f} ms; split kernels (ms): {parts}", flush=True)
+        print(f"{name}: {ms:.3f} ms; split kernels (ms): {parts}", flush=True)
 
 
 def main() -> None:

@@ -1,0 +1,161 @@
+"""Where a default-precision (fp32, 3x) training step's GPU time goes, kernel by kernel.
+
+    PYTHONPATH=python python experiments/step_kernels.py [--cases p84 p39 projection]
+
+For each case (problems 84 and 39 at KernelBench's shapes, the projection MLP at 4096 rows), the
+fused model's training step with every parameter's version bumped (as an optimizer's update
+would): the step's time (CUDA events, median), then one torch.profiler recording of a few steps,
+printed as GPU ms per step by (epifuse op, kernel). Then the forward GEMM op alone
+(``gemm_colstats`` with a new weight version each call, and ``gemm_affine`` with a kept weight
+split) and the SM clock and power over a second of steps and a second of forward GEMMs alone
+(nvidia-smi), to tell kernel time from clock throttling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import epifuse  # noqa: E402
+from epifuse import problems  # noqa: E402
+from epifuse.__main__ import median_ms  # noqa: E402
+from benchmarks.real_heads import build_model  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def short(name: str) -> str:
+    """A kernel's name without template arguments and namespaces, CUTLASS's kept recognizable."""
+    if "cutlass" in name or "GemmUniversal" in name or "device_kernel" in name:
+        m = re.search(r"Sm90(\w+)", name)
+        return "cutlass GEMM" + (f" ({m.group(0)[:40]})" if m else "")
+    base = name.split("(")[0]
+    base = re.sub(r"<.*", "", base)
+    return base.split("::")[-1][:60]
+
+
+def top_op(e) -> str:
+    while e.cpu_parent is not None and not e.name.startswith("epifuse::"):
+        e = e.cpu_parent
+    return e.name if e.name.startswith("epifuse::") else "other"
+
+
+def kernel_table(fn, steps: int = 3) -> None:
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    times: dict = defaultdict(float)
+    counts: dict = defaultdict(int)
+    for e in prof.events():
+        for k in e.kernels:
+            key = (top_op(e) if not e.name.startswith("epifuse::") else e.name, short(k.name))
+            times[key] += k.duration / 1e3 / steps
+            counts[key] += 1
+    total = sum(times.values())
+    print(f"  kernels per step, GPU ms (sum {total:.3f}):")
+    for (op, kern), ms in sorted(times.items(), key=lambda kv: -kv[1]):
+        print(f"    {ms:8.3f}  x{counts[(op, kern)] / steps:4.1f}  {op:32s} {kern}")
+
+
+def clocks(fn, seconds: float = 1.0) -> str:
+    """Mean SM clock (MHz) and power (W) while ``fn`` runs back to back for ``seconds``."""
+    idx = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    proc = subprocess.Popen(["nvidia-smi", "-i", idx, "--query-gpu=clocks.sm,power.draw",
+                             "--format=csv,noheader,nounits", "-lms", "50"],
+                            stdout=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        fn()
+        torch.cuda.synchronize()
+    proc.terminate()
+    out = proc.communicate()[0].strip().splitlines()
+    vals = [tuple(float(v) for v in line.split(",")) for line in out if line.count(",") == 1]
+    vals = vals[len(vals) // 4:]  # past the ramp
+    if not vals:
+        return "no samples"
+    return (f"SM {sum(v[0] for v in vals) / len(vals):.0f} MHz (min {min(v[0] for v in vals):.0f}),"
+            f" {sum(v[1] for v in vals) / len(vals):.0f} W")
+
+
+def problem_model(number: int):
+    mod = problems.BY_NUMBER[number]
+    init = mod.get_init_inputs()
+    torch.manual_seed(0)
+    model = mod.ModelNew(*init).to(DEV).train()
+    x = torch.rand(*mod.get_inputs()[0].shape, device=DEV)
+    return model, x
+
+
+def projection_model():
+    torch.manual_seed(0)
+    model = build_model("projection", (2048, 4096, 256), bias=False).to(DEV).train()
+    fused, _ = epifuse.fuse(model)
+    return fused, torch.rand(4096, 2048, device=DEV)
+
+
+def run_case(name: str) -> None:
+    model, x = projection_model() if name == "projection" else \
+        problem_model(int(name[1:]))
+    x.requires_grad_()
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.randn_like(model(x))
+
+    def step():
+        x.grad = None
+        for p in params:
+            p.grad = None
+            torch.autograd.graph.increment_version(p)
+        model(x).backward(g)
+
+    print(f"== {name}: step {median_ms(step, 10, DEV):.3f} ms", flush=True)
+    kernel_table(step)
+    print(f"  clocks over steps: {clocks(step)}", flush=True)
+    if name == "projection":
+        return
+    lin = model.gemm if hasattr(model, "gemm") else None
+    w = lin.weight if lin is not None else next(p for p in params if p.dim() == 2)
+    xd = x.detach()
+    ops = torch.ops.epifuse
+    n = w.shape[0]
+    a, c = torch.ones(n, device=DEV), torch.zeros(n, device=DEV)
+
+    def colstats_new_weight():
+        torch.autograd.graph.increment_version(w)
+        return ops.gemm_colstats(xd, w.detach(), "3xtf32")
+
+    def affine_kept():
+        return ops.gemm_affine(xd, w.detach(), a, c, "3xtf32")
+
+    with torch.no_grad():
+        for label, fn in (("gemm_colstats, new weight version", colstats_new_weight),
+                          ("gemm_affine, kept weight split", affine_kept)):
+            print(f"  {label}: {median_ms(fn, 10, DEV):.3f} ms", flush=True)
+            kernel_table(fn)
+        print(f"  clocks over gemm_colstats: {clocks(colstats_new_weight)}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", default=["p84", "p39", "projection"])
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    for name in args.cases:
+        run_case(name)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -63,15 +63,17 @@ def measure(step: Callable, pair, device: torch.device, steps: int = 3) -> Optio
     up), or None off CUDA or where the step ran no fused head."""
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    step(pair)
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 record_shapes=True) as prof:
-        for _ in range(steps):
+    # The warm-up step runs inside the profile, in a window the schedule discards: a step run
+    # before the profile starts, synchronized or not, left its forward's kernels attributed to the
+    # first profiled forward (measured on an H200: 4 forwards' kernels in 3 steps).
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                 schedule=schedule(wait=1, warmup=1, active=steps)) as prof:
+        for _ in range(steps + 2):
             step(pair)
-        torch.cuda.synchronize(device)
+            torch.cuda.synchronize(device)
+            prof.step()
     totals = {k: [0.0, 0.0] for k in KINDS}  # GPU us, flops
     for kind, e in _kinds(gemm_events(prof)):
         totals[kind][0] += e.device_time_total

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import epifuse  # noqa: E402
 from epifuse import problems  # noqa: E402
 from epifuse.__main__ import median_ms  # noqa: E402
+from benchmarks import step_gemms  # noqa: E402
 from benchmarks.real_heads import build_model  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -38,9 +39,10 @@ def short(name: str) -> str:
     if "cutlass" in name or "GemmUniversal" in name or "device_kernel" in name:
         m = re.search(r"Sm90(\w+)", name)
         return "cutlass GEMM" + (f" ({m.group(0)[:40]})" if m else "")
-    base = name.split("(")[0]
+    base = re.sub(r"\(anonymous namespace\)::", "", name)
+    base = re.sub(r"^void ", "", base).split("(")[0]
     base = re.sub(r"<.*", "", base)
-    return base.split("::")[-1][:60]
+    return (base.split("::")[-1] or name)[:60]
 
 
 def top_op(e) -> str:
@@ -50,24 +52,46 @@ def top_op(e) -> str:
 
 
 def kernel_table(fn, steps: int = 3) -> None:
-    fn()
-    torch.cuda.synchronize()
+    """GPU ms per call by (op, kernel), from a profile whose schedule discards a warm-up call."""
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=steps)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+                                            torch.profiler.ProfilerActivity.CUDA],
+                                schedule=schedule) as prof:
+        for _ in range(steps + 2):
             fn()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            prof.step()
     times: dict = defaultdict(float)
     counts: dict = defaultdict(int)
+    calls: dict = defaultdict(int)
     for e in prof.events():
+        if e.name.startswith("epifuse::"):
+            calls[e.name] += 1
         for k in e.kernels:
             key = (top_op(e) if not e.name.startswith("epifuse::") else e.name, short(k.name))
             times[key] += k.duration / 1e3 / steps
             counts[key] += 1
     total = sum(times.values())
+    print("  op calls per step: " + ", ".join(f"{k[9:]} {v / steps:g}" for k, v in calls.items()))
     print(f"  kernels per step, GPU ms (sum {total:.3f}):")
     for (op, kern), ms in sorted(times.items(), key=lambda kv: -kv[1]):
         print(f"    {ms:8.3f}  x{counts[(op, kern)] / steps:4.1f}  {op:32s} {kern}")
+
+
+def unscheduled_gemms(fn, steps: int = 3) -> dict:
+    """step_gemms' ms per kind as it measured before its profile had a schedule."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA],
+                                record_shapes=True) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict = defaultdict(float)
+    for kind, e in step_gemms._kinds(step_gemms.gemm_events(prof)):
+        out[kind] += e.device_time_total / 1e3 / steps
+    return out
 
 
 def clocks(fn, seconds: float = 1.0) -> str:
@@ -123,6 +147,11 @@ def run_case(name: str) -> None:
     print(f"== {name}: step {median_ms(step, 10, DEV):.3f} ms", flush=True)
     kernel_table(step)
     print(f"  clocks over steps: {clocks(step)}", flush=True)
+    gemms = step_gemms.measure(lambda pair: step(), None, DEV)
+    print("  benchmarks.step_gemms, ms per step: " +
+          ", ".join(f"{k} {v['ms']:.3f}" for k, v in gemms.items()), flush=True)
+    print("  the same from a profile started after a warm-up step: " +
+          ", ".join(f"{k} {v:.3f}" for k, v in unscheduled_gemms(step).items()), flush=True)
     if name == "projection":
         return
     lin = model.gemm if hasattr(model, "gemm") else None

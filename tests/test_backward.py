@@ -291,7 +291,7 @@ def test_backward_reads_the_forwards_fold_for_the_activation(training):
     torch.testing.assert_close(out, F.gelu(a.double() * z.double() + c.double()).float())
     grad = torch.rand_like(out)
     names = _epifuse_ops_run(lambda: out.backward(grad))
-    assert "epifuse::fused_head_backward" in names and "epifuse::bn_fold_eval" not in names, names
+    assert "epifuse::head_grad_z" in names and "epifuse::bn_fold_eval" not in names, names
     needs = [True] * 6
     detached = [t.detach() for t in (grad, x, w, bias, gamma, beta, scale, z)]
     stats = [colsum, colsumsq] if training else [None, None]
@@ -398,8 +398,10 @@ def test_backward_runs_the_fused_ops(fused_on_cpu):
     assert calls == ["fused_head", "gemm_colstats", "bn_fold_train", "affine_softmax"]
     with traced_epifuse_ops() as calls:
         y.sum().backward()  # an expanded (stride 0) gradient
-    assert calls == ["fused_head_backward", "softmax_grad_rowdot", "head_grad_sums",
-                     "head_grad_coefficients", "head_grad_z", "backward_matmul", "backward_matmul"]
+    # The autograd node runs the backward's steps itself (no fused_head_backward call), so that
+    # it can free the output's gradient once dz exists.
+    assert calls == ["softmax_grad_rowdot", "head_grad_sums", "head_grad_coefficients",
+                     "head_grad_z", "backward_matmul", "backward_matmul"]
 
 
 def test_backward_skips_unneeded_gemms(fused_on_cpu):
@@ -793,3 +795,74 @@ def test_backward_matmul_k_major_copies(case):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
     assert rel_err(out[0], exact) <= 1.5 * rel_err(views, exact) + 1e-6
+
+
+def _kernels_in(fn, name: str) -> int:
+    """How many launches of kernels whose names contain ``name`` ran inside ``fn()``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and name in e.name)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("kind", ["dX", "dW"])
+def test_split_products_chunk_a_large_w_for_memory(kind):
+    """The projection MLP's 4096 x 4096 backward products (K = 4096) in the default precision:
+    x is one chunk, so w's 64 MiB split is made in two chunks of 32 MiB (operand_chunks.hpp,
+    refine_split_chunks), two GEMMs of 512 tiles; each output element is the same product, bit for
+    bit, as the product of its own half of w alone (one chunk), and the product's peak holds the
+    output, x's split and one chunk of w's split."""
+    g = torch.Generator(device=CUDA).manual_seed(5)
+    n = 4096
+    dz = torch.randn(n, n, device=CUDA, generator=g)
+    other = torch.randn(n, n, device=CUDA, generator=g)
+    a, b = (dz, other) if kind == "dX" else (dz.t(), other)  # b: W for dX, X for dW
+    out = []
+    assert _kernels_in(lambda: out.append(ops.backward_matmul(a, b, "3xtf32")), "Sm90Tma") == 2
+    halves = [ops.backward_matmul(a, b[:, c:c + n // 2], "3xtf32") for c in (0, n // 2)]
+    assert torch.equal(out[0], torch.cat(halves, dim=1))
+    assert rel_err(out[0], a.double() @ b.double()) < 1e-6
+    del out, halves
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ops.backward_matmul(a, b, "3xtf32")
+    mib = (torch.cuda.max_memory_allocated() - before) / 2**20
+    assert mib < 64 + 64 + 32 + 8, mib  # output, x's split, w's chunk, exponents and workspace
+
+
+@pytest.mark.gpu
+def test_the_head_backward_frees_the_output_gradient():
+    """The autograd node runs the backward's steps itself and drops the incoming gradient once dz
+    exists, as eager's autograd frees a node's inputs: a backward whose gradient reaches the head
+    from another node (an inner head's, only autograd holds it) peaks no higher than one whose
+    gradient the caller holds, allocated before (not counted). Holding it through dX and dW would
+    add its 8 MiB."""
+    n, rows = 1024, 2048
+    _, new = make_pair(39, [n, n, (n,)], seed=1)
+    new = new.to(CUDA).train()
+    x = torch.rand(rows, n, device=CUDA, requires_grad=True)
+
+    def backward_peak(from_node: bool) -> int:
+        x.grad = None
+        for p in new.parameters():
+            p.grad = None
+        y = new(x)
+        if from_node:
+            loss = (y * 2).sum()  # mul's backward makes the head's gradient inside the backward
+            run = loss.backward
+        else:
+            held = torch.full_like(y, 2.0)
+            run = lambda: y.backward(held)  # noqa: E731
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        names = _epifuse_ops_run(run)
+        assert "epifuse::head_grad_z" in names and "epifuse::fused_head_backward" not in names
+        return torch.cuda.max_memory_allocated() - before
+
+    backward_peak(True)  # warm-up: workspaces, the allocator's blocks
+    from_node, held = backward_peak(True), backward_peak(False)
+    assert from_node <= held + rows * n * 4 // 2, (from_node / 2**20, held / 2**20)

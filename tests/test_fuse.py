@@ -110,7 +110,7 @@ def test_state_dict_and_optimizer_keep_the_same_tensors(build, fused_on_cpu):
     assert dict(model.named_parameters()) == params  # same names, same Parameter objects
     with traced_epifuse_ops() as calls:
         model(torch.rand(16, IN)).square().sum().backward()
-    assert calls[:2] == ["fused_head", "gemm_colstats"] and "fused_head_backward" in calls
+    assert calls[:2] == ["fused_head", "gemm_colstats"] and "head_grad_coefficients" in calls
     optimizer.step()
     for name, p in params.items():  # the optimizer's tensors are the ones the fused path read
         assert p.grad is not None, name
@@ -268,7 +268,7 @@ def test_fuse_runs_fused_kernels_and_matches(build, dtype, op_calls):
     op_calls.clear()
     loss = (model(x) * torch.linspace(0, 1, 8, device=CUDA, dtype=dtype)).sum()
     loss.backward()
-    assert op_calls.count("fused_head") == op_calls.count("fused_head_backward") == 2, op_calls
+    assert op_calls.count("fused_head") == op_calls.count("head_grad_coefficients") == 2, op_calls
     assert all(p.grad is not None for p in model.parameters())
 
 

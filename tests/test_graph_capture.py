@@ -10,9 +10,9 @@ column-statistics atomics' ordering.
 
 What shows the fused ops inside the capture:
 - reduce-overhead: the code Inductor generated calls ``epifuse.fused_head`` once per head in the
-  forward and the head's backward once per head in the backward (``fused_head_backward``, or
-  under autocast the stepwise backward, whose ``head_grad_coefficients`` every fused backward
-  runs), no graph was skipped (Inductor's ``cudagraph_skips`` counter) and the CUDA-graph tree
+  forward and the head's backward once per head in the backward (``fused_head_backward`` where
+  the backward is traced with create_graph, else the stepwise backward, whose
+  ``head_grad_coefficients`` every fused backward runs), no graph was skipped (Inductor's ``cudagraph_skips`` counter) and the CUDA-graph tree
   recorded the forward and the backward;
 - make_graphed_callables: its warm-up and capture calls ran one ``fused_head`` and one
   ``head_grad_coefficients`` per head each (strict heads: no fallback).

@@ -242,7 +242,7 @@ GemmPlan gemm_plan(const GemmProblem& p, Epilogue e, const EpilogueOperands& ops
                          : p.M;
       plan.w_chunk = copy_chunk_rows(p.N, fp32_row_bytes, dispatch::kWCopyChunkBytes);
       if (e == Epilogue::kAffine)
-        dispatch::refine_split_chunks(p.M, p.N, plan.x_chunk, plan.w_chunk);
+        dispatch::refine_split_chunks(p.M, p.N, fp32_row_bytes, plan.x_chunk, plan.w_chunk);
       const size_t x_bytes = split_fp16_bytes(plan.x_chunk, p.K) + dispatch::row_flag_bytes(p);
       auto chunks_workspace = [&](int64_t n_chunk, int& kernel) {
         GemmProblem c = p;

@@ -16,7 +16,8 @@ int64_t copy_chunk_rows(int64_t n, size_t row_bytes, size_t budget) {
   return ((n + chunks - 1) / chunks + 255) / 256 * 256;
 }
 
-void refine_split_chunks(int64_t M, int64_t N, int64_t& x_chunk, int64_t& w_chunk) {
+void refine_split_chunks(int64_t M, int64_t N, size_t fp32_row_bytes, int64_t& x_chunk,
+                         int64_t& w_chunk) {
   auto tiles = [](int64_t r, int64_t c) { return ((r + 127) / 128) * ((c + 127) / 128); };
   auto half = [](int64_t n) { return ((n + 1) / 2 + 255) / 256 * 256; };
   while (tiles(x_chunk, w_chunk) >= 2 * kMinChunkTiles) {
@@ -26,6 +27,10 @@ void refine_split_chunks(int64_t M, int64_t N, int64_t& x_chunk, int64_t& w_chun
   }
   x_chunk = std::min(x_chunk, M);
   w_chunk = std::min(w_chunk, N);
+  while (x_chunk == M && size_t(w_chunk) * fp32_row_bytes > kWSplitSoftBytes &&
+         half(w_chunk) < w_chunk && tiles(M, half(w_chunk)) >= kMinSoftChunkTiles) {
+    w_chunk = half(w_chunk);
+  }
 }
 
 GemmProblem split_problem(const GemmProblem& p, const void* x_split, const void* w_split) {

@@ -40,7 +40,16 @@ int64_t copy_chunk_rows(int64_t n, size_t row_bytes, size_t budget);
 // K = 1024): x's and w's splits of 64 MiB each become two chunks of 32 MiB each, four GEMMs of 1024
 // tiles, and the step's peak drops from 1.23x eager's to 1.08x.
 constexpr int64_t kMinChunkTiles = 1024;
-void refine_split_chunks(int64_t M, int64_t N, int64_t& x_chunk, int64_t& w_chunk);
+// Then, for memory: where x is one chunk (so a chunk of w is split once, never again per chunk of
+// x), w's chunk is halved while its split holds over kWSplitSoftBytes and each GEMM keeps at
+// least kMinSoftChunkTiles 128x128 tiles (~4 waves on 132 SMs: the last wave's idle SMs cost a few
+// percent, as at 8). The projection MLP's 4096 x 4096 dX and dW (K = 4096): w's 64 MiB split
+// becomes two of 32 MiB, two GEMMs of 512 tiles; the KernelBench problems' products keep their
+// chunks (problem 84's have too few tiles, problem 39's x is chunked).
+constexpr size_t kWSplitSoftBytes = size_t(32) << 20;
+constexpr int64_t kMinSoftChunkTiles = 512;
+void refine_split_chunks(int64_t M, int64_t N, size_t fp32_row_bytes, int64_t& x_chunk,
+                         int64_t& w_chunk);
 
 // The 3x plan's workspace: [x split][flags of x's non-finite rows][w split, unless p.w_split]
 // [the GEMM's own workspace].

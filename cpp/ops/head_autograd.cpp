@@ -118,10 +118,11 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
     return {out, z, colsum, colsumsq, moments, a, c};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  // grads by reference: it is the engine's own list (CppNode moves the incoming gradients into it
+  // and holds no other reference), so the usual backward below can free the output's gradient.
+  static variable_list backward(AutogradContext* ctx, variable_list& grads) {
     variable_list result(kForwardArgs);
-    const Tensor& grad = grads[0];
-    if (!grad.defined()) return result;
+    if (!grads[0].defined()) return result;
     const SavedTensors s = SavedTensors::from_list(ctx->get_saved_variables());
     HeadConfig cfg = load_head_config(ctx);
     const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
@@ -149,15 +150,20 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
       take(kWeightCast, w_gemm);
     }
     std::array<Tensor, 6> all;
-    if (casts && !at::GradMode::is_enabled()) {
-      // The usual backward under autocast, in steps, each 16-bit cast dropped after its last GEMM:
-      // the weight's before dW's fp32 result is allocated (problem 84: 128 MiB of bf16 weight
-      // beside 256 MiB of fp32 dW), as eager's autograd frees its saved cast once its mm's backward
-      // has run. The one op call below would keep both casts until it returned.
+    if (!at::GradMode::is_enabled()) {
+      // The usual backward (no create_graph), in steps, each input freed after its last use, as
+      // eager's autograd frees a node's inputs once its backward has run: the output's gradient
+      // once dz exists (the projection MLP's fp32 step, whose 4096 x 4096 heads' gradients are
+      // 64 MiB each, peaked 64 MiB lower), and under autocast the weight's 16-bit cast after dX,
+      // before dW's fp32 result is allocated (problem 84: 128 MiB of bf16 weight beside 256 MiB
+      // of fp32 dW). The one op call below would hold them all until it returned.
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      HeadGradZ r = head_backward_to_dz(grad, opt(s.bias), s.gamma, s.beta, s.scale, s.z,
-                                        opt(s.out), opt(s.colsum), opt(s.colsumsq), s.moments,
-                                        needs, opt(s.a), opt(s.c), cfg);
+      HeadGradZ r = [&] {
+        const Tensor grad = std::move(grads[0]);  // its last reference: gone with this scope
+        return head_backward_to_dz(grad, opt(s.bias), s.gamma, s.beta, s.scale, s.z, opt(s.out),
+                                   opt(s.colsum), opt(s.colsumsq), s.moments, needs, opt(s.a),
+                                   opt(s.c), cfg);
+      }();
       if (needs[0]) all[0] = backward_dx(r.dz, w_gemm, cfg);
       w_gemm.reset();
       if (needs[1]) all[1] = backward_dw(r.dz, x_gemm, s.gamma.scalar_type(), cfg);
@@ -165,7 +171,7 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
       all[5] = scale_gradient(r, s.scale, needs[5]);
     } else {
       auto grads_in = EPIFUSE_OP(fused_head_backward).call(
-          grad, opt(x_gemm), opt(w_gemm), opt(s.bias), s.gamma, s.beta, s.scale, s.z,
+          grads[0], opt(x_gemm), opt(w_gemm), opt(s.bias), s.gamma, s.beta, s.scale, s.z,
           opt(s.out), opt(s.colsum), opt(s.colsumsq), s.moments, needs, opt(s.a),
           opt(s.c) EPIFUSE_HEAD_ARGS);
       all = {std::get<0>(grads_in), std::get<1>(grads_in), std::get<2>(grads_in),

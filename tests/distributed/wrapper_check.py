@@ -83,7 +83,7 @@ def main() -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             y_new = step(fused, x)
         names = {e.name() for e in prof.profiler.kineto_results.events()}
-        if "epifuse::fused_head" not in names or "epifuse::fused_head_backward" not in names:
+        if "epifuse::fused_head" not in names or "epifuse::head_grad_coefficients" not in names:
             failures.append(f"step {it}: the fused ops did not run ({sorted(names)[:20]})")
         if not torch.allclose(y_new, y_ref, rtol=1e-3, atol=1e-4):
             failures.append(f"step {it}: outputs differ by {(y_new - y_ref).abs().max().item():.3g}")

@@ -28,6 +28,26 @@ def ops_run(fn, prefix: str = "") -> list[str]:
     return [e.name() for e in prof.profiler.kineto_results.events() if e.name().startswith(prefix)]
 
 
+def cuda_kernels_run(fn) -> list[str]:
+    """Names of the CUDA kernels fn() launches, in launch order (repeats kept); the device is
+    synchronized before and after, so that only fn's kernels are listed."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def launches(fn, name: str) -> int:
+    """How many CUDA kernels whose name contains ``name`` fn() launches."""
+    return sum(name in k for k in cuda_kernels_run(fn))
+
+
+def cutlass_gemms(fn) -> list[str]:
+    """Names of the CUTLASS GEMM kernels fn() launches, in order."""
+    return [k for k in cuda_kernels_run(fn) if "device_kernel" in k and "GemmUniversal" in k]
+
+
 def epifuse_ops_in(prof) -> list[str]:
     """The epifuse ops a finished profile saw (short names, in call order, nested included).
 

@@ -16,7 +16,7 @@ import torch
 
 from epifuse import fold, ops
 from epifuse.head import fast_path_reason
-from helpers import PROBLEMS, rel_err
+from helpers import PROBLEMS, cuda_kernels_run, launches, rel_err
 
 pytestmark = pytest.mark.hopper
 
@@ -30,16 +30,8 @@ def _is_hopper() -> bool:
 hopper_only = pytest.mark.skipif(not _is_hopper(), reason="the 3x wgmma GEMM is Hopper's")
 
 
-def _kernels_run(fn) -> set[str]:
-    """Names of the CUDA kernels that fn() launches."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-
-
 def _ran_split_gemm(fn) -> bool:
-    return any("split_fp16" in name for name in _kernels_run(fn))
+    return any("split_fp16" in name for name in cuda_kernels_run(fn))
 
 
 def _operands(m, k, n, offset=0.0, seed=0):
@@ -257,8 +249,8 @@ def test_transposed_split_tiles_agree(rows):
     x[:, 7] *= 2.0 ** -30  # a row of X^T far below the others
     dz[5, 9], dz[11, 300] = float("nan"), float("inf")
     dz_off, x_off = _misaligned_copy(dz), _misaligned_copy(x)
-    wide = _kernels_run(lambda: ops.backward_matmul(dz.t(), x, "3xtf32"))
-    general = _kernels_run(lambda: ops.backward_matmul(dz_off.t(), x_off, "3xtf32"))
+    wide = set(cuda_kernels_run(lambda: ops.backward_matmul(dz.t(), x, "3xtf32")))
+    general = set(cuda_kernels_run(lambda: ops.backward_matmul(dz_off.t(), x_off, "3xtf32")))
     assert any("split_fp16_tiles_wide" in k for k in wide), wide
     assert not any("split_fp16_tiles_wide" in k for k in general), general
     a = ops.backward_matmul(dz.t(), x, "3xtf32")
@@ -267,15 +259,6 @@ def test_transposed_split_tiles_agree(rows):
     finite = torch.isfinite(dz).all(0)
     assert not finite[9] and not finite[300] and int(finite.sum()) == 1534
     assert rel_err(a[finite], (dz.double().T @ x.double())[finite]) <= 1e-6
-
-
-def _launches(fn, name: str) -> int:
-    """How many CUDA kernels whose name contains ``name`` fn() launches."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(name in e.name for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def _affine_case(m, k, n, *, seed, bad):
@@ -301,7 +284,7 @@ def test_large_weight_split_in_chunks():
     m, k, n = 512, 8192, 8704
     x, w, a, c = _affine_case(m, k, n, seed=11, bad=(17, 5, float("inf")))
     # x's split, then one split per chunk of w.
-    assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_fp16") == 4
+    assert launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_fp16") == 4
     w.add_(0.0)
     y = ops.gemm_affine(x, w, a, c, "3xtf32")
     w.add_(0.0)
@@ -331,7 +314,7 @@ def test_tall_x_split_in_chunks_of_rows():
     is repaired where its chunk put it."""
     m, k, n = 16896, 8192, 4608
     x, w, a, c = _affine_case(m, k, n, seed=14, bad=(6000, 7, float("nan")))
-    assert _launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_fp16") == 3 + 3 * 2
+    assert launches(lambda: ops.gemm_affine(x, w, a, c, "3xtf32"), "split_fp16") == 3 + 3 * 2
     w.add_(0.0)
     y = ops.gemm_affine(x, w, a, c, "3xtf32")
     assert torch.isnan(y[6000]).all()
@@ -370,7 +353,7 @@ def test_chunks_count_the_operands_fp32_rows():
     g = torch.Generator(device=CUDA).manual_seed(17)
     dz = torch.randn(1024, 8192, device=CUDA, generator=g)
     w = torch.randn(8192, 8192, device=CUDA, generator=g) / 90.0
-    assert _launches(lambda: ops.backward_matmul(dz, w, "3xtf32"), "split_fp16_tiles") == 2
+    assert launches(lambda: ops.backward_matmul(dz, w, "3xtf32"), "split_fp16_tiles") == 2
 
 
 @hopper_only
@@ -381,7 +364,7 @@ def test_tf32_product_copies_a_large_operand_in_chunks():
     g = torch.Generator(device=CUDA).manual_seed(13)
     dz = torch.randn(16384, 2560, device=CUDA, generator=g)
     x = torch.randn(16384, 2304, device=CUDA, generator=g)
-    assert _launches(lambda: ops.backward_matmul(dz.t(), x, "tf32"), "transpose_tiles") == 2
+    assert launches(lambda: ops.backward_matmul(dz.t(), x, "tf32"), "transpose_tiles") == 2
     dw = ops.backward_matmul(dz.t(), x, "tf32")
     assert dw.shape == (2560, 2304) and dw.is_contiguous()
     assert rel_err(dw, dz.double().T @ x.double()) <= 3e-3

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from epifuse import fold, head, ops
 from epifuse.head_config import HeadConfig
-from helpers import (DTYPE_OF, FUSED_NODE, ORACLE_TOL, float64_twin, init_args, make_pair,
-                     ops_run, precision_of, rel_err, traced_epifuse_ops)
+from helpers import (DTYPE_OF, FUSED_NODE, ORACLE_TOL, cuda_kernels_run, cutlass_gemms,
+                     float64_twin, init_args, launches, make_pair, ops_run, precision_of, rel_err,
+                     traced_epifuse_ops)
 
 CUDA = torch.device("cuda")
 F64 = torch.float64
@@ -536,11 +537,9 @@ def test_sums_split_the_rows_of_narrow_problems_only(shape, dtype, split):
     g = torch.Generator(device=CUDA).manual_seed(3)
     grad, z = (torch.randn(*shape, device=CUDA, generator=g).to(dtype) for _ in range(2))
     ops.head_grad_sums(grad, None, None, z)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        sums = ops.head_grad_sums(grad, None, None, z)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    out = []
+    kernels = cuda_kernels_run(lambda: out.append(ops.head_grad_sums(grad, None, None, z)))
+    sums = out[0]
     assert any("head_grad_sums_kernel" in k for k in kernels), kernels
     assert any("sum_tile_partials" in k for k in kernels) == split, kernels
     assert rel_err(sums[:-1], fold.grad_sums(grad, None, z)[:-1]) < 1e-5
@@ -683,10 +682,7 @@ def test_training_step_folds_once(number):
     x = torch.rand(64, 256, device=CUDA)
     w = torch.randn(64, 128, device=CUDA)
     new(x)  # warm-up: lazy initialization outside the profile
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        (new(x) * w).sum().backward()
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events()]
+    kernels = cuda_kernels_run(lambda: (new(x) * w).sum().backward())
     assert sum("bn_fold_kernel" in k for k in kernels) == 1, kernels
     assert sum("running_stats_kernel" in k for k in kernels) == 0, kernels
     for _ in range(2):
@@ -748,14 +744,6 @@ def test_backward_matmul_precision_ignores_global_flag():
     assert rel_err(ieee, exact) < 1e-6 < rel_err(tf32, exact)
 
 
-def _copies_in(fn) -> int:
-    """How many K-major operand copies (transpose.cu's kernel launches) ran inside ``fn()``."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if "transpose_tiles_kernel" in e.name)
-
-
 # case: (rows, n_out, n_in, dtype, K-major copies expected); cublas_k_major_copies.cu's
 # cublas_tf32_k_major_copies says why each.
 _COPY_CASES = {
@@ -785,7 +773,10 @@ def test_backward_matmul_k_major_copies(case):
     a, b = (dz, w) if case.startswith("dX") else (dz.t(), x)
     precision = "tf32" if dtype == torch.float32 else ""
     out = []
-    assert _copies_in(lambda: out.append(ops.backward_matmul(a, b, precision))) == expected_copies
+    # K-major copies: transpose.cu's kernel launches
+    copies = launches(lambda: out.append(ops.backward_matmul(a, b, precision)),
+                      "transpose_tiles_kernel")
+    assert copies == expected_copies
     exact = a.double() @ b.double()
     bound = 2e-2 if dtype == torch.bfloat16 else 2e-3
     assert out[0].dtype == dtype and rel_err(out[0], exact) < bound
@@ -795,15 +786,6 @@ def test_backward_matmul_k_major_copies(case):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
     assert rel_err(out[0], exact) <= 1.5 * rel_err(views, exact) + 1e-6
-
-
-def _kernels_in(fn, name: str) -> int:
-    """How many launches of kernels whose names contain ``name`` ran inside ``fn()``."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and name in e.name)
 
 
 @pytest.mark.hopper
@@ -820,11 +802,12 @@ def test_split_products_chunk_a_large_w_for_memory(kind):
     other = torch.randn(n, n, device=CUDA, generator=g)
     a, b = (dz, other) if kind == "dX" else (dz.t(), other)  # b: W for dX, X for dW
     out = []
-    assert _kernels_in(lambda: out.append(ops.backward_matmul(a, b, "3xtf32")), "Sm90Tma") == 2
+    assert len(cutlass_gemms(lambda: out.append(ops.backward_matmul(a, b, "3xtf32")))) == 2
     halves = [ops.backward_matmul(a, b[:, c:c + n // 2], "3xtf32") for c in (0, n // 2)]
     assert torch.equal(out[0], torch.cat(halves, dim=1))
     assert rel_err(out[0], a.double() @ b.double()) < 1e-6
-    del out, halves
+    out.clear()
+    del halves
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -14,21 +14,12 @@ import pytest
 import torch
 
 from epifuse import ops
-from helpers import rel_err
+from helpers import cuda_kernels_run, rel_err
 
 pytestmark = pytest.mark.hopper
 
 CUDA = torch.device("cuda")
 SLEEP_CYCLES = 200_000_000  # ~0.1 s at Hopper clocks: far longer than the reads that follow
-
-
-def _kernels(fn) -> list[str]:
-    """Names of the CUDA kernels fn() launches, in launch order (repeats kept)."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def _on(stream: torch.cuda.Stream, fn, *, late: bool = False):
@@ -76,7 +67,7 @@ def test_weight_split_made_on_one_stream_is_waited_for_on_another():
         return ops.gemm_affine(x, w, a, c, "3xtf32")
 
     def splits(stream):  # split_fp16 launches of one call: x's, and w's unless it was kept
-        return sum("split_fp16" in k for k in _kernels(lambda: _on(stream, gemm)))
+        return sum("split_fp16" in k for k in cuda_kernels_run(lambda: _on(stream, gemm)))
 
     assert splits(s1) == 2  # first sight of w: x and w split in place, w's version remembered
     y1, y2 = _race(s1, s2, gemm)  # second sight: w's split made on s1 and kept; read on s2
@@ -117,7 +108,7 @@ def test_weight_cast_made_on_one_stream_is_waited_for_on_another(dtype):
             return gemm_scale_bn.Model.forward(model, x).double()
 
     def launches(stream):
-        return len(_kernels(lambda: _on(stream, forward)))
+        return len(cuda_kernels_run(lambda: _on(stream, forward)))
 
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
     first = launches(s1)  # first sight: x and W cast in place
@@ -162,7 +153,7 @@ def test_inference_tensor_weights_are_never_kept(autocast):
 
         # A kept operand would be made at the second call and read from the third on, each of
         # those calls launching one kernel fewer (test_weight_split_made_on_...: split_fp16).
-        launches = [len(_kernels(forward)) for _ in range(4)]
+        launches = [len(cuda_kernels_run(forward)) for _ in range(4)]
         y = forward()
         if autocast is None:  # the head in float64
             m = model
@@ -201,7 +192,7 @@ def test_training_steps_see_every_weight_and_input_update():
                 y = model(xr)
                 if model is new:  # the fused head ran, its backward on split (3x) GEMMs
                     assert y.grad_fn.name() == FUSED_NODE
-                    assert any("split_fp16" in k for k in _kernels(lambda: y.backward(grad)))
+                    assert any("split_fp16" in k for k in cuda_kernels_run(lambda: y.backward(grad)))
                 else:
                     y.backward(grad)
                 grads.append((xr.grad.clone(), model.gemm.weight.grad.clone()))

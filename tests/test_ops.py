@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from epifuse import fold, ops
 from epifuse.head_config import DEFAULT, HeadConfig
-from helpers import ops_run, rel_err
+from helpers import cuda_kernels_run, cutlass_gemms, ops_run, rel_err
 from op_samples import DTYPES, HOOKS, all_cases, op, samples
 
 CUDA = torch.device("cuda")
@@ -192,15 +192,6 @@ def test_backward_matmul_fp32_out_keeps_the_16_bit_overflow(device, dtype_id):
     assert ops.backward_matmul(a, b, "").dtype == dtype  # without out_dtype: a's dtype
 
 
-def _cuda_kernels(fn) -> list[str]:
-    """Names of the CUDA kernels fn() launches."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 @pytest.mark.hopper
 @pytest.mark.parametrize("n,hopper", [(136, True), (130, False)], ids=["aligned", "n130"])
 @pytest.mark.parametrize("layout", ["dX", "dW"])
@@ -220,7 +211,7 @@ def test_fp16_product_applies_the_overflow_in_the_gemm_epilogue(layout, n, hoppe
     a16, b = a64.half(), b64.half().cuda()
     a = a16.cuda() if layout == "dX" else a16.t().contiguous().cuda().t()  # dW: an M-major view
     out = []
-    names = _cuda_kernels(lambda: out.append(ops.backward_matmul(a, b, "", out_dtype=torch.float32)))
+    names = cuda_kernels_run(lambda: out.append(ops.backward_matmul(a, b, "", out_dtype=torch.float32)))
     ran_pass = any("fp16_overflow" in name for name in names)
     assert ran_pass != hopper, names
     assert any("Fp16Overflow" in name for name in names) == hopper, names  # our epilogue's node
@@ -342,16 +333,6 @@ def test_gemm_affine(kind, shape):
     assert rel_err(y, expected) <= tol
 
 
-def _cutlass_gemms(fn) -> list[str]:
-    """Names of the CUTLASS GEMM kernels fn() launches, in order."""
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-            and "device_kernel" in e.name and "GemmUniversal" in e.name]
-
-
 @pytest.mark.hopper
 @pytest.mark.parametrize("op_name", ["colstats", "affine"])
 @pytest.mark.parametrize("kind", ["bf16", "tf32"])
@@ -368,9 +349,9 @@ def test_narrow_outputs_run_the_small_batch_tiles(kind, op_name):
         a, c = torch.ones(n, device=CUDA), torch.zeros(n, device=CUDA)
         return lambda: ops.gemm_affine(x, w, a, c, precision)
 
-    narrow = _cutlass_gemms(gemm(4096, 256, 64))
-    small_batch = _cutlass_gemms(gemm(128, 256, 64))
-    wide = _cutlass_gemms(gemm(1024, 4096, 128))
+    narrow = cutlass_gemms(gemm(4096, 256, 64))
+    small_batch = cutlass_gemms(gemm(128, 256, 64))
+    wide = cutlass_gemms(gemm(1024, 4096, 128))
     assert len(narrow) == len(small_batch) == len(wide) == 1, (narrow, small_batch, wide)
     # The rule: wide tiles x (2 in 16 bits, 4 in fp32) <= SMs (32 tiles: every H100 / H200 in 16
     # bits; in fp32 those with >= 128 SMs).

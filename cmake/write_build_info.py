@@ -23,7 +23,12 @@ from pathlib import Path
 
 
 def git_commit(source_dir: Path) -> str | None:
-    """Short commit of the checkout, "-dirty" when tracked files differ; None without git."""
+    """Short commit of the checkout, "-dirty" when tracked files differ; None without git.
+    EPIFUSE_GIT_COMMIT names it for a copy of the tree without .git (as the benchmark's report
+    reads it), where git would find no checkout or another one."""
+    if os.environ.get("EPIFUSE_GIT_COMMIT"):
+        return os.environ["EPIFUSE_GIT_COMMIT"]
+
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(source_dir), *args], capture_output=True,
                               text=True, timeout=30)

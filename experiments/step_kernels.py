@@ -4,7 +4,9 @@
 
 For each case (problems 84 and 39 at KernelBench's shapes, the projection MLP at 4096 rows), the
 fused model's training step with every parameter's version bumped (as an optimizer's update
-would): the step's time (CUDA events, median), then one torch.profiler recording of a few steps,
+would): the step's time (CUDA events, median) alone and queued (benchmarks.timing: the host ahead,
+so the difference is the host's latency before the first kernel and any gaps), then one
+torch.profiler recording of a few steps,
 printed as GPU ms per step by (epifuse op, kernel). Then the forward GEMM op alone
 (``gemm_colstats`` with a new weight version each call, and ``gemm_affine`` with a kept weight
 split) and the SM clock and power over a second of steps and a second of forward GEMMs alone
@@ -28,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import epifuse  # noqa: E402
 from epifuse import problems  # noqa: E402
 from epifuse.__main__ import median_ms  # noqa: E402
-from benchmarks import step_gemms  # noqa: E402
+from benchmarks import step_gemms, timing  # noqa: E402
 from benchmarks.real_heads import build_model  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -144,7 +146,11 @@ def run_case(name: str) -> None:
             torch.autograd.graph.increment_version(p)
         model(x).backward(g)
 
-    print(f"== {name}: step {median_ms(step, 10, DEV):.3f} ms", flush=True)
+    queued = timing.measure_queued_rounds({"step": lambda _: step()}, [None], DEV, calls=8,
+                                          rounds=3)["step"]
+    print(f"== {name}: step {median_ms(step, 10, DEV):.3f} ms alone, "
+          f"{queued['median_ms']:.3f} ms queued (the host ahead; GPU kept busy: "
+          f"{queued['gpu_kept_busy']})", flush=True)
     kernel_table(step)
     print(f"  clocks over steps: {clocks(step)}", flush=True)
     gemms = step_gemms.measure(lambda pair: step(), None, DEV)

@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "debug_switches.cu"  // split_fp16.cu reads EPIFUSE_SPLIT_WIDE_TILES
 #include "sm90_gemm.cuh"
 #include "split_fp16.cu"
 #include "standalone.cuh"

@@ -38,7 +38,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "debug_switches.cu"
+#include "debug_switches.cu"  // split_fp16.cu reads EPIFUSE_SPLIT_WIDE_TILES
 #include "sm90_gemm.cuh"
 #include "split_fp16.cu"
 #include "standalone.cuh"

@@ -40,15 +40,6 @@
 #include "split_fp16.cu"
 #include "standalone.cuh"
 
-#define CB(x)                                                              \
-  do {                                                                     \
-    cublasStatus_t s_ = (x);                                               \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                     \
-      fprintf(stderr, "%s:%d: %s: status %d\n", __FILE__, __LINE__, #x, s_); \
-      exit(1);                                                             \
-    }                                                                      \
-  } while (0)
-
 namespace epifuse::sm90 {
 static uint32_t g_promotion = 1;
 uint32_t split3x_promotion_interval() { return g_promotion; }
@@ -122,11 +113,7 @@ struct SplitGemm {
     int dev;
     CK(cudaGetDevice(&dev));
     CK(cudaDeviceGetAttribute(&args.hw_info.sm_count, cudaDevAttrMultiProcessorCount, dev));
-    Gemm gemm;
-    if (Gemm::get_workspace_size(args) > ws_bytes) { fprintf(stderr, "workspace\n"); exit(1); }
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) { fprintf(stderr, "cannot\n"); exit(1); }
-    if (gemm.initialize(args, ws, s) != cutlass::Status::kSuccess) { fprintf(stderr, "init\n"); exit(1); }
-    if (gemm.run(s) != cutlass::Status::kSuccess) { fprintf(stderr, "run\n"); exit(1); }
+    run_or_exit<Gemm>(args, ws, ws_bytes, s);
   }
 };
 
@@ -139,52 +126,10 @@ using Fp16x3 = SplitGemm<cutlass::half_t, _64, Fp16Tree>;
 using Tf32x3 = SplitGemm<float, _32, Tf32Tree>;
 
 // ---- fills, reference, error ---------------------------------------------------------------------
-__global__ void fill_scaled(int64_t n, float* p, uint64_t seed, float mul, float add) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = uniform(i, seed) * mul + add;
-}
-__global__ void widen(int64_t n, const float* a, double* b) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    b[i] = a[i];
-}
-// out[0] = max |c - r|, out[1] = max |r| (non-negative doubles order as their bits)
-__global__ void max_err(int64_t n, const float* c, const double* r, unsigned long long* out) {
-  double e = 0, m = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    e = fmax(e, fabs(double(c[i]) - r[i]));
-    m = fmax(m, fabs(r[i]));
-  }
-  atomicMax(out, __double_as_longlong(e));
-  atomicMax(out + 1, __double_as_longlong(m));
-}
-
-__global__ void count_diff(int64_t n, const float* a, const float* b, unsigned long long* out) {
-  unsigned long long c = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    c += __float_as_uint(a[i]) != __float_as_uint(b[i]);
-  atomicAdd(out, c);
-}
-static bool same_bits(const float* a, const float* b, int64_t n, cudaStream_t s) {
-  unsigned long long* d;
-  CK(cudaMallocAsync(&d, 8, s));
-  CK(cudaMemsetAsync(d, 0, 8, s));
-  count_diff<<<1024, 256, 0, s>>>(n, a, b, d);
-  unsigned long long h = 0;
-  CK(cudaMemcpyAsync(&h, d, 8, cudaMemcpyDeviceToHost, s));
-  CK(cudaFreeAsync(d, s));
-  CK(cudaStreamSynchronize(s));
-  return h == 0;
-}
-
 struct Bufs {
   float *x, *x_cm, *w, *d, *d2, *xs_tf32, *ws_tf32;
   void *xs, *ws_split;
   double *xd, *wd, *rd;
-  unsigned long long* err;
   void* ws;
   size_t ws_bytes = size_t(64) << 20;
   void* flush;
@@ -210,16 +155,7 @@ static void run_shape(Bufs& b, cublasHandle_t h, cudaStream_t s, int M, int N, i
   const double one = 1, zero = 0;
   // row-major R[M, N] = x . w^T  <=>  column-major R^T = w^T(op T of [K, N]) ... as cuBLAS sees it
   CB(cublasDgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &one, b.wd, K, b.xd, K, &zero, b.rd, N));
-  auto error = [&]() {
-    CK(cudaMemsetAsync(b.err, 0, 16, s));
-    max_err<<<1024, 256, 0, s>>>(int64_t(M) * N, b.d, b.rd, b.err);
-    unsigned long long e[2];
-    CK(cudaMemcpyAsync(e, b.err, 16, cudaMemcpyDeviceToHost, s));
-    CK(cudaStreamSynchronize(s));
-    double d[2];
-    memcpy(d, e, 16);
-    return d[0] / d[1];
-  };
+  auto error = [&]() { return max_error_ratio(b.d, b.rd, int64_t(M) * N, s); };
   const float fone = 1, fzero = 0;
   auto sgemm = [&] {
     CB(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, N, M, K, &fone, b.w, K, b.x, K, &fzero, b.d, N));
@@ -260,7 +196,7 @@ static void run_shape(Bufs& b, cublasHandle_t h, cudaStream_t s, int M, int N, i
   tf32_split_x(); tf32_split_w(); tf32_gemm();
   e32 = error();
   fp16_split_x(); fp16_split_w(); fp16_gemm();
-  const bool same = same_bits(b.d, b.d2, int64_t(M) * N, s);
+  const bool same = differing_bits(b.d, b.d2, int64_t(M) * N, s) == 0;
   printf("%-10s M=%5d N=%5d K=%5d  err/max: sgemm %.2e  3xtf32 %.2e (%.2fx)  3xfp16 p1 %.2e (%.2fx) p2 %.2e (%.2fx)%s\n",
          label, M, N, K, e_sgemm, e32, e32 / e_sgemm, e16[0], e16[0] / e_sgemm, e16[1], e16[1] / e_sgemm,
          same ? "" : "  TILED PATH DIFFERS");
@@ -303,7 +239,6 @@ int main() {
   CK(cudaMalloc(&b.xd, maxMK * 8));
   CK(cudaMalloc(&b.wd, maxNK * 8));
   CK(cudaMalloc(&b.rd, maxMN * 8));
-  CK(cudaMalloc(&b.err, 16));
   CK(cudaMalloc(&b.ws, b.ws_bytes));
   CK(cudaMalloc(&b.flush, b.flush_bytes));
   run_shape(b, h, s, 16384, 4096, 4096, 1.f, 0.f, true, "p39");

@@ -43,15 +43,6 @@
 #include "split_fp16.cu"
 #include "standalone.cuh"
 
-#define CB(x)                                                                \
-  do {                                                                       \
-    cublasStatus_t s_ = (x);                                                 \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                       \
-      fprintf(stderr, "%s:%d: %s: status %d\n", __FILE__, __LINE__, #x, s_); \
-      exit(1);                                                               \
-    }                                                                        \
-  } while (0)
-
 namespace epifuse::sm90 {
 uint32_t split3x_promotion_interval() { return 1; }
 }  // namespace epifuse::sm90
@@ -352,11 +343,7 @@ struct Gemm {
         {epifuse::evt::per_column_affine_args<Tree>(nullptr, nullptr, epifuse::Activation{}, acc),
          nullptr, {}, d, make_stride(int64_t(N), Int<1>{}, int64_t(0))},
         cutlass::KernelHardwareInfo{0, sms}};
-    Adapter gemm;
-    if (Adapter::get_workspace_size(args) > ws_bytes) { fprintf(stderr, "workspace\n"); exit(1); }
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) { fprintf(stderr, "cannot\n"); exit(1); }
-    if (gemm.initialize(args, ws, s) != cutlass::Status::kSuccess) { fprintf(stderr, "init\n"); exit(1); }
-    if (gemm.run(s) != cutlass::Status::kSuccess) { fprintf(stderr, "run\n"); exit(1); }
+    run_or_exit<Adapter>(args, ws, ws_bytes, s);
   }
 };
 
@@ -387,37 +374,10 @@ __global__ void row_exponents(const float* __restrict__ a, int64_t cols, float* 
   }
 }
 
-__global__ void fill_scaled(int64_t n, float* p, uint64_t seed, float mul, float add) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = uniform(i, seed) * mul + add;
-}
 __global__ void scale_rows(int64_t rows, int64_t cols, float* a) {  // row r times 2^(r % 13 - 6)
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols;
        i += int64_t(gridDim.x) * blockDim.x)
     a[i] = ldexpf(a[i], int((i / cols) % 13) - 6);
-}
-__global__ void widen(int64_t n, const float* a, double* b) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    b[i] = a[i];
-}
-__global__ void max_err(int64_t n, const float* c, const double* r, unsigned long long* out) {
-  double e = 0, m = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    e = fmax(e, fabs(double(c[i]) - r[i]));
-    m = fmax(m, fabs(r[i]));
-  }
-  atomicMax(out, __double_as_longlong(e));
-  atomicMax(out + 1, __double_as_longlong(m));
-}
-__global__ void count_diff(int64_t n, const float* a, const float* b, unsigned long long* out) {
-  unsigned long long c = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    c += __float_as_uint(a[i]) != __float_as_uint(b[i]);
-  atomicAdd(out, c);
 }
 
 int main() {
@@ -441,7 +401,6 @@ int main() {
     float *a, *b, *d_lib, *d_rs, *e_a;
     double *ad, *bd, *rd;
     void *a_split, *b_split;
-    unsigned long long* cnt;
     CK(cudaMalloc(&a, sizeof(float) * size_t(M) * K));
     CK(cudaMalloc(&b, sizeof(float) * size_t(N) * K));
     CK(cudaMalloc(&d_lib, sizeof(float) * size_t(M) * N));
@@ -452,7 +411,6 @@ int main() {
     CK(cudaMalloc(&rd, sizeof(double) * size_t(M) * N));
     CK(cudaMalloc(&a_split, epifuse::split_fp16_bytes(M, K)));
     CK(cudaMalloc(&b_split, epifuse::split_fp16_bytes(N, K)));
-    CK(cudaMalloc(&cnt, 16));
     CK(cudaMemsetAsync(e_a, 0, sizeof(float) * size_t((M + 127) / 128 * 128), s));
     // A ~ U[-1, 1) / sqrt(K), its rows scaled over 2^-6..2^6 (each row's own exponent at work),
     // B ~ U[0, 1).
@@ -477,22 +435,9 @@ int main() {
       rs3x::Gemm::run(a, b_split, e_a, p.w_exponents, d_rs, M, N, Ks, ws, ws_bytes, sms, s);
     };
     split_a(); split_b(); exponents_a(); lib_gemm(); rs_gemm();
-    CK(cudaMemsetAsync(cnt, 0, 16, s));
-    count_diff<<<1024, 256, 0, s>>>(int64_t(M) * N, d_lib, d_rs, cnt);
-    unsigned long long differ = 0;
-    CK(cudaMemcpyAsync(&differ, cnt, 8, cudaMemcpyDeviceToHost, s));
-    CK(cudaStreamSynchronize(s));
-    auto error = [&](const float* d) {
-      CK(cudaMemsetAsync(cnt, 0, 16, s));
-      max_err<<<1024, 256, 0, s>>>(int64_t(M) * N, d, rd, cnt);
-      unsigned long long e[2];
-      CK(cudaMemcpyAsync(e, cnt, 16, cudaMemcpyDeviceToHost, s));
-      CK(cudaStreamSynchronize(s));
-      double v[2];
-      memcpy(v, e, 16);
-      return v[0] / v[1];
-    };
-    const double e_lib = error(d_lib), e_rs = error(d_rs);
+    const unsigned long long differ = differing_bits(d_lib, d_rs, int64_t(M) * N, s);
+    const double e_lib = max_error_ratio(d_lib, rd, int64_t(M) * N, s);
+    const double e_rs = max_error_ratio(d_rs, rd, int64_t(M) * N, s);
     const double flop = 2.0 * M * N * K;
     const float t_split = best_ms(s, flush, flush_bytes, split_a);
     const float t_lib = best_ms(s, flush, flush_bytes, lib_gemm);
@@ -505,7 +450,7 @@ int main() {
            t_split, t_lib, flop / t_lib * 1e-9, t_split + t_lib, t_exp, t_rs, flop / t_rs * 1e-9,
            t_exp + t_rs);
     for (void* ptr : {(void*)a, (void*)b, (void*)d_lib, (void*)d_rs, (void*)e_a, (void*)ad,
-                      (void*)bd, (void*)rd, a_split, b_split, (void*)cnt})
+                      (void*)bd, (void*)rd, a_split, b_split})
       CK(cudaFree(ptr));
   }
   return 0;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #define CK(x)                                                                              \
   do {                                                                                     \
@@ -17,6 +18,33 @@
       exit(1);                                                                             \
     }                                                                                      \
   } while (0)
+
+// cuBLAS status check (for the files that include cublas_v2.h).
+#define CB(x)                                                                \
+  do {                                                                       \
+    cublasStatus_t s_ = (x);                                                 \
+    if (s_ != CUBLAS_STATUS_SUCCESS) {                                       \
+      fprintf(stderr, "%s:%d: %s: status %d\n", __FILE__, __LINE__, #x, s_); \
+      exit(1);                                                               \
+    }                                                                        \
+  } while (0)
+
+// A CUTLASS device GEMM (GemmUniversalAdapter) run once: exits with a message where its workspace
+// is over ws_bytes or CUTLASS refuses the arguments.
+template <class Adapter, class Arguments>
+void run_or_exit(Arguments& args, void* ws, size_t ws_bytes, cudaStream_t s) {
+  Adapter gemm;
+  using Status = decltype(gemm.run(s));
+  const char* failed = Adapter::get_workspace_size(args) > ws_bytes           ? "workspace"
+                       : gemm.can_implement(args) != Status::kSuccess         ? "can_implement"
+                       : gemm.initialize(args, ws, s) != Status::kSuccess     ? "initialize"
+                       : gemm.run(s) != Status::kSuccess                      ? "run"
+                                                                              : nullptr;
+  if (failed != nullptr) {
+    fprintf(stderr, "CUTLASS GEMM: %s failed\n", failed);
+    exit(1);
+  }
+}
 
 // A hash of (i, seed) as a float in [-1, 1) with 23 random bits: exact in fp32 (and in tf32 / bf16
 // after their rounding), the same on every run.
@@ -55,4 +83,65 @@ float best_ms(cudaStream_t s, void* flush, size_t flush_bytes, F&& f) {
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
   return best;
+}
+
+// p[i] = uniform(i, seed) * mul + add.
+__global__ void fill_scaled(int64_t n, float* p, uint64_t seed, float mul, float add) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = uniform(i, seed) * mul + add;
+}
+
+__global__ void widen(int64_t n, const float* a, double* b) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    b[i] = a[i];
+}
+
+// out[0] = max |c - r|, out[1] = max |r| (non-negative doubles order as their bits)
+__global__ void max_err(int64_t n, const float* c, const double* r, unsigned long long* out) {
+  double e = 0, m = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    e = fmax(e, fabs(double(c[i]) - r[i]));
+    m = fmax(m, fabs(r[i]));
+  }
+  atomicMax(out, __double_as_longlong(e));
+  atomicMax(out + 1, __double_as_longlong(m));
+}
+
+__global__ void count_diff(int64_t n, const float* a, const float* b, unsigned long long* out) {
+  unsigned long long c = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    c += __float_as_uint(a[i]) != __float_as_uint(b[i]);
+  atomicAdd(out, c);
+}
+
+// max |c - r| / max |r| over n values (r the float64 reference).
+static double max_error_ratio(const float* c, const double* r, int64_t n, cudaStream_t s) {
+  unsigned long long* d;
+  CK(cudaMallocAsync(&d, 16, s));
+  CK(cudaMemsetAsync(d, 0, 16, s));
+  max_err<<<1024, 256, 0, s>>>(n, c, r, d);
+  unsigned long long h[2];
+  CK(cudaMemcpyAsync(h, d, 16, cudaMemcpyDeviceToHost, s));
+  CK(cudaFreeAsync(d, s));
+  CK(cudaStreamSynchronize(s));
+  double v[2];
+  memcpy(v, h, 16);
+  return v[0] / v[1];
+}
+
+// How many of n floats differ in their bits between a and b.
+static unsigned long long differing_bits(const float* a, const float* b, int64_t n, cudaStream_t s) {
+  unsigned long long* d;
+  CK(cudaMallocAsync(&d, 8, s));
+  CK(cudaMemsetAsync(d, 0, 8, s));
+  count_diff<<<1024, 256, 0, s>>>(n, a, b, d);
+  unsigned long long h = 0;
+  CK(cudaMemcpyAsync(&h, d, 8, cudaMemcpyDeviceToHost, s));
+  CK(cudaFreeAsync(d, s));
+  CK(cudaStreamSynchronize(s));
+  return h;
 }

@@ -57,15 +57,6 @@
 
 using namespace cute;
 
-#define CB(x)                                                                   \
-  do {                                                                          \
-    cublasStatus_t s_ = (x);                                                    \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                          \
-      fprintf(stderr, "%s:%d: %s: cuBLAS status %d\n", __FILE__, __LINE__, #x, int(s_)); \
-      exit(1);                                                                  \
-    }                                                                           \
-  } while (0)
-
 // CUTLASS's layout tags: A is M x K (RowMajor: K-major), B is K x N (ColumnMajor: K-major).
 using AK = cutlass::layout::RowMajor;
 using AM = cutlass::layout::ColumnMajor;

@@ -44,8 +44,8 @@ from epifuse import cli, problems
 from epifuse.precision import resolve_precision
 
 from . import step_gemms
-from .timing import (Settings, l2_flush, measure, measure_host_checked, measure_rounds,
-                     peak_memory, rotation_count, to_dict)
+from .timing import (Settings, l2_flush, measure, measure_host_checked, measure_queued_rounds,
+                     measure_rounds, peak_memory, rotation_count, to_dict)
 
 SEED = 0
 IMPLS = ("ours", "eager", "compile")
@@ -266,7 +266,10 @@ def estimate_case_s(case: "Case", settings: Settings, dry: bool) -> float:
     step = case.mode == TRAIN_STEP
     call = estimate_call_s(case.shape.flops * (3 if step else 1), case.spec)
     gemm = estimate_timing_s(call / 2, settings, 2) if case.gemm_alone else 0.0
-    return (EST_CASE_S + estimate_timing_s(call, settings, 3 if case.compile else 2) + gemm
+    impls = 3 if case.compile else 2
+    # a step's queued rounds (_measure): 2 warm-up calls, then rounds of queued calls
+    queued = impls * call * (2 + min(5, settings.iters) * min(10, settings.iters)) if step else 0.0
+    return (EST_CASE_S + estimate_timing_s(call, settings, impls) + gemm + queued
             + (EST_COMPILE_S[step] if case.compile else 0.0))
 
 
@@ -439,7 +442,7 @@ def new_row(case: Case) -> dict:
             "gemm_alone": case.gemm_alone,
             "flops": s.flops * (3 if case.mode == TRAIN_STEP else 1),  # a step: fwd, dX, dW
             "path": None, "timings_ms": {}, "failures": {}, "errors_vs_fp64": {},
-            "peak_mib": {}, "peak_ours_vs_eager": None,
+            "peak_mib": {}, "peak_ours_vs_eager": None, "queued_ms": {},
             "kb_reference_ms": None, "gemm_op": None, "wall_s": 0.0}
 
 
@@ -500,6 +503,19 @@ class Runner:
                 else:
                     if peak is not None:
                         row["peak_mib"][impl] = peak / 2**20
+            if case.mode == TRAIN_STEP:
+                # The same steps with the host ahead (steps queued behind a spin kernel): their
+                # GPU time, where each timed step above also counts the host's latency before
+                # its first kernel.
+                timed = {impl: fns[impl] for impl in row["timings_ms"]}
+                queued = measure_queued_rounds(timed, inputs, self.device,
+                                               calls=min(10, self.settings.iters),
+                                               rounds=min(5, self.settings.iters), warmup=2)
+                for impl, q in queued.items():
+                    if isinstance(q, Exception):
+                        self.failed(row, f"queued:{impl}", q)
+                    else:
+                        row["queued_ms"][impl] = q
         fns.clear()
         free_memory(self.device)
 

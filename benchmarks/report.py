@@ -184,6 +184,34 @@ MODEL_COLUMNS = [
     ("peak MiB ours / eager / compile", _peaks),
     ("peak ours / eager", lambda r, n: fmt_num(peak_ratio(r), 2)),
 ]
+def _queued(row: dict, notes: Notes) -> str:
+    """ours / eager / compile queued (the host ahead), ms per step; "-" for a row measured before
+    the column existed."""
+    if not row.get("queued_ms") and not any(k.startswith("queued:") for k in row["failures"]):
+        return "-"
+
+    def one(impl: str) -> str:
+        t = row.get("queued_ms", {}).get(impl)
+        if t is None:
+            failure = row["failures"].get(f"queued:{impl}")
+            return "n/a" if failure is None else "n/a " + notes.ref(f"queued {impl}: {failure}")
+        cell = fmt_ms(t["median_ms"])
+        if t.get("gpu_kept_busy") is False:
+            cell += " " + notes.ref("queued: the GPU went idle while the host queued the steps "
+                                    "(host time included)")
+        return cell
+    return " / ".join(one(impl) for impl in ("ours", "eager", "compile"))
+
+
+def queued_speedup(row: dict, baseline: str = "eager") -> Optional[float]:
+    q = row.get("queued_ms", {})
+    ours, base = q.get("ours"), q.get(baseline)
+    return base["median_ms"] / ours["median_ms"] if ours and base and ours["median_ms"] else None
+
+
+STEP_QUEUED = [("queued ms ours / eager / compile", _queued),
+               ("queued vs eager",
+                lambda r, n: fmt_x(queued_speedup(r)) if r.get("queued_ms") else "-")]
 FORWARD_ERRORS = [("err ours (rel / max)", _err("ours", "ours", "error check")),
                   ("err eager (rel / max)", _err("eager", "eager", "error check"))]
 STEP_ERRORS = [(f"err {g} {impl} (rel / max)", _err(impl, f"{impl}:{g.lower()}", "gradient check"))
@@ -191,7 +219,7 @@ STEP_ERRORS = [(f"err {g} {impl} (rel / max)", _err(impl, f"{impl}:{g.lower()}",
 
 
 def _model_table(rows: Sequence[dict], notes: Notes, step: bool) -> tuple[list, list, int]:
-    columns = MODEL_COLUMNS + (STEP_ERRORS if step else FORWARD_ERRORS)
+    columns = MODEL_COLUMNS + (STEP_QUEUED + STEP_ERRORS if step else FORWARD_ERRORS)
     head = ["problem", "M x K -> N", "dtype"] + ([] if step else ["mode"])
     cells = []
     for r in rows:
@@ -679,6 +707,9 @@ STEP_LEGEND = (
     "would, so that no implementation reuses a cast or split of a weight that in training "
     "changes every step (ModelNew keeps those only while the weight is unchanged). Its TFLOP/s "
     "count 3 GEMMs (forward, dX, dW); 'vs KB ref' divides eager fp32's step at 'highest'. "
+    "queued = the same steps' GPU time with the host ahead (10 steps queued behind a spin "
+    "kernel, timed back to back; median of 5 rounds), where each step above is timed alone from "
+    "an idle GPU, the host's latency before its first kernel included. "
     "err dX / err dW = the input's and gemm.weight's gradients against a float64 step with the "
     "same (rounded) parameters, x and g.")
 AMP_LEGEND = (

@@ -196,6 +196,25 @@ def test_training_step_table_has_speedups_and_gradient_errors():
     assert "x requires grad" in text and "dX" in text
 
 
+def test_training_step_table_has_the_queued_steps():
+    """A step row's queued GPU time (the host ahead) beside its time alone: ours / eager /
+    compile and eager's over ours; an idle GPU while queuing gets a note; a row measured before
+    the column existed shows "-"."""
+    q = lambda ms, busy=True: {"median_ms": ms, "min_ms": ms, "rounds": 5, "calls": 10,  # noqa
+                               "gpu_kept_busy": busy}
+    step = _step_result()
+    step["queued_ms"] = {"ours": q(0.8), "eager": q(1.6), "compile": q(1.0, busy=False)}
+    old = _step_result()
+    old.pop("queued_ms")
+    old["M"] = 96  # another row
+    table = _section(report.text_report(doc(GPU, [step, old])), report.STEP_TITLE)
+    row = [ln for ln in table.splitlines() if "64x128->128" in ln][0]
+    assert "0.8000 / 1.600 / 1.000 [" in row and "2.00x" in row, row
+    old_row = [ln for ln in table.splitlines() if "96x128->128" in ln][0]
+    # peak ratio (none in these rows), then the two queued cells, then the errors
+    assert re.search(r"n/a\s+-\s+-\s+1\.1e-03", old_row), old_row
+
+
 def test_training_step_counts_three_gemms():
     step = _step_result()
     assert step["flops"] == 3 * 2 * 64 * 128 * 128

@@ -45,7 +45,7 @@ from epifuse.precision import resolve_precision
 
 from . import step_gemms
 from .timing import (Settings, l2_flush, measure, measure_host_checked, measure_queued_rounds,
-                     measure_rounds, peak_memory, rotation_count, to_dict)
+                     measure_rounds, peak_memory, queued_counts, rotation_count, to_dict)
 
 SEED = 0
 IMPLS = ("ours", "eager", "compile")
@@ -267,8 +267,8 @@ def estimate_case_s(case: "Case", settings: Settings, dry: bool) -> float:
     call = estimate_call_s(case.shape.flops * (3 if step else 1), case.spec)
     gemm = estimate_timing_s(call / 2, settings, 2) if case.gemm_alone else 0.0
     impls = 3 if case.compile else 2
-    # a step's queued rounds (_measure): 2 warm-up calls, then rounds of queued calls
-    queued = impls * call * (2 + min(5, settings.iters) * min(10, settings.iters)) if step else 0.0
+    q = queued_counts(settings)  # a step's queued rounds (_measure)
+    queued = impls * call * (q["warmup"] + q["rounds"] * q["calls"]) if step else 0.0
     return (EST_CASE_S + estimate_timing_s(call, settings, impls) + gemm + queued
             + (EST_COMPILE_S[step] if case.compile else 0.0))
 
@@ -509,8 +509,7 @@ class Runner:
                 # its first kernel.
                 timed = {impl: fns[impl] for impl in row["timings_ms"]}
                 queued = measure_queued_rounds(timed, inputs, self.device,
-                                               calls=min(10, self.settings.iters),
-                                               rounds=min(5, self.settings.iters), warmup=2)
+                                               **queued_counts(self.settings))
                 for impl, q in queued.items():
                     if isinstance(q, Exception):
                         self.failed(row, f"queued:{impl}", q)

@@ -199,8 +199,8 @@ def host_per_step(fn: Callable, pair, device: torch.device, s: timing.Settings) 
 
 
 def queued_counts(s: timing.Settings) -> dict:
-    """measure_queued_rounds' counts: rounds of 8 steps (fewer in a dry run's few iterations)."""
-    return {"calls": min(8, s.iters), "rounds": min(3, s.iters), "warmup": min(2, s.warmup)}
+    """measure_queued_rounds' counts: 3 rounds of 8 steps."""
+    return timing.queued_counts(s, calls=8, rounds=3)
 
 
 def estimate_step_s(group: LoopGroup) -> float:

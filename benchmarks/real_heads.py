@@ -178,8 +178,7 @@ def run_case(case: HeadCase, device: torch.device, settings: timing.Settings) ->
         if case.mode == QUEUED:
             # Rounds of 10 steps (fewer in a dry run's few iterations).
             row["timings_ms"] = _timings(timing.measure_queued_rounds(
-                fns, inputs, device, calls=min(10, settings.iters),
-                rounds=min(5, settings.iters), warmup=settings.warmup))
+                fns, inputs, device, **timing.queued_counts(settings, warmup=settings.warmup)))
         else:
             results = timing.measure_rounds(fns, inputs, device, settings)
             row["timings_ms"] = _timings({k: (v if isinstance(v, Exception)

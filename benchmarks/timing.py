@@ -163,6 +163,15 @@ def measure_rounds(fns: Mapping[str, Callable[[Any], object]], inputs: Sequence[
     return {name: results[name] for name in fns}
 
 
+def queued_counts(s: Settings, calls: int = 10, rounds: int = 5,
+                  warmup: Optional[int] = None) -> dict:
+    """measure_queued_rounds' keyword counts for ``s``: ``rounds`` rounds of ``calls`` calls
+    (fewer in a dry run's few iterations) after ``warmup`` calls (default 2: calls already warmed
+    by their timed rounds)."""
+    return {"calls": min(calls, s.iters), "rounds": min(rounds, s.iters),
+            "warmup": min(2, s.warmup) if warmup is None else warmup}
+
+
 def measure_queued_rounds(fns: Mapping[str, Callable[[Any], object]], inputs: Sequence[Any],
                           device: torch.device, calls: int = 10, rounds: int = 5,
                           warmup: int = 5) -> dict[str, Union[dict, Exception]]:

@@ -31,7 +31,7 @@ import epifuse  # noqa: E402
 from epifuse import problems  # noqa: E402
 from epifuse.__main__ import median_ms  # noqa: E402
 from benchmarks import step_gemms, timing  # noqa: E402
-from benchmarks.real_heads import build_model  # noqa: E402
+from benchmarks.real_heads import BATCH, DIMS, build_model  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -127,9 +127,10 @@ def problem_model(number: int):
 
 def projection_model():
     torch.manual_seed(0)
-    model = build_model("projection", (2048, 4096, 256), bias=False).to(DEV).train()
+    dims = DIMS["projection"]
+    model = build_model("projection", dims, bias=False).to(DEV).train()
     fused, _ = epifuse.fuse(model)
-    return fused, torch.rand(4096, 2048, device=DEV)
+    return fused, torch.rand(BATCH, dims[0], device=DEV)
 
 
 def run_case(name: str) -> None:

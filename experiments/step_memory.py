@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import epifuse  # noqa: E402
 from benchmarks.cases import DTYPES  # noqa: E402
-from benchmarks.real_heads import DIMS, build_model  # noqa: E402
+from benchmarks.real_heads import BATCH, DIMS, build_model  # noqa: E402
 
 MIB = 2.0 ** 20
 
@@ -49,7 +49,7 @@ def run(model_name: str, setting: str, fused: bool) -> None:
     model = build_model(model_name, DIMS[model_name], bias=False).cuda().train()
     if fused:
         model, _ = epifuse.fuse(model, precision=spec.precision)
-    x = torch.rand(4096, DIMS[model_name][0], device="cuda", requires_grad=True)
+    x = torch.rand(BATCH, DIMS[model_name][0], device="cuda", requires_grad=True)
     params = [p for p in model.parameters() if p.requires_grad]
     with spec.context():
         def step(mode=None):

@@ -44,7 +44,8 @@
 #include "standalone.cuh"
 
 namespace epifuse::sm90 {
-uint32_t split3x_promotion_interval() { return 1; }
+uint32_t g_promotion_interval = 1;  // the library GEMM's, set before each comparison
+uint32_t split3x_promotion_interval() { return g_promotion_interval; }
 }  // namespace epifuse::sm90
 
 namespace rs3x {
@@ -57,7 +58,9 @@ struct Policy : cutlass::gemm::MainloopSm90TmaGmmaWarpSpecialized<
                     Stages_, Shape<_1, _1, _1>, cutlass::gemm::KernelTmaWarpSpecializedCooperative> {};
 
 // A: fp32 [M, K] row-major (K-major), split in registers; B: the library's split [N, 2 * Kp].
-template <int Stages>
+// Interval: K-tiles per promotion (the library's default, 1, or 2); the second warpgroup promotes
+// half an interval after the first, as the library's do.
+template <int Stages, int Interval>
 struct Mainloop {
   using DispatchPolicy = Policy<Stages>;
   using ClusterShape = Shape<_1, _1, _1>;
@@ -233,92 +236,115 @@ struct Mainloop {
 
     Tensor partial = make_fragment_like(accum);
     clear(accum);
+    // Two sets of A's hi / lo fragments: the next K-tile is split into one while the wgmmas of
+    // the current one read the other.
+    Tensor hi_0 = tCrA_hi, lo_0 = tCrA_lo;
+    Tensor hi_1 = make_fragment_like(tCrA_hi), lo_1 = make_fragment_like(tCrA_hi);
 
-    // A's fragment of one stage, split as split_fp16 splits (a NaN or Inf stays in hi, lo = 0).
-    auto split_a = [&](int stage) {
+    // A's fragment of one stage, split as split_fp16 splits: a = v * 2^-e (one multiply by a
+    // power of two, which rounds as ldexpf does; a row of tiny values, e < -126, scales in two
+    // exact steps), hi = fp16(a), lo = fp16(a - hi). Finite values only: a row holding a NaN or
+    // Inf is flagged by the exponent pass and recomputed in fp32 (nonfinite_rows.cu), as the
+    // library's are. Element pairs (k, k+1) are adjacent in the fp32 tile: one 8-byte load each.
+    auto split_a = [&](int stage, auto& hi, auto& lo) {
       Tensor src = tCsA(_, _, _, stage);
+      auto hi2 = recast<uint32_t>(hi);
+      auto lo2 = recast<uint32_t>(lo);
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(src); ++i) {
-        const float v = src(i);
+      for (int i = 0; i < size(src); i += 2) {
+        const float2 v = *reinterpret_cast<float2 const*>(&src(i));
         const int e = int(sE[stage * kRows + get<0>(tCcA(i))]);
-        half_t hi, lo;
-        if (isfinite(v)) {
-          const float a = ldexpf(v, -e);
-          hi = half_t(__float2half_rn(a));
-          lo = half_t(__float2half_rn(a - float(hi)));
-        } else {
-          hi = half_t(__float2half_rn(v));
-          lo = half_t(0.f);
-        }
-        tCrA_hi(i) = hi;
-        tCrA_lo(i) = lo;
+        const float pre = e < -126 ? 0x1p64f : 1.f;
+        const float s = __int_as_float((127 - (e < -126 ? e + 64 : e)) << 23);
+        const float a0 = v.x * pre * s, a1 = v.y * pre * s;
+        const __half2 h = __floats2half2_rn(a0, a1);
+        const float2 hf = __half22float2(h);
+        const __half2 l = __floats2half2_rn(a0 - hf.x, a1 - hf.y);
+        hi2(i / 2) = reinterpret_cast<uint32_t const&>(h);
+        lo2(i / 2) = reinterpret_cast<uint32_t const&>(l);
       }
     };
-    auto issue_products = [&](int stage) {
-      warpgroup_fence_operand(tCrA_hi);
-      warpgroup_fence_operand(tCrA_lo);
+    bool restart = true;  // the next products start the tensor-core accumulator at zero
+    auto issue_products = [&](int stage, auto& hi, auto& lo) {
+      warpgroup_fence_operand(hi);
+      warpgroup_fence_operand(lo);
       warpgroup_fence_operand(partial);
       warpgroup_arrive();
-      tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      tiled_mma.accumulate_ = restart ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+      restart = false;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kKBlocks; ++j) {  // lo_a * hi_b
-        cute::gemm(tiled_mma, tCrA_lo(_, _, j), tCrB(_, _, j, stage), partial);
+        cute::gemm(tiled_mma, lo(_, _, j), tCrB(_, _, j, stage), partial);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kKBlocks; ++j)  // hi_a * lo_b
-        cute::gemm(tiled_mma, tCrA_hi(_, _, j), tCrB(_, _, kKBlocks + j, stage), partial);
+        cute::gemm(tiled_mma, hi(_, _, j), tCrB(_, _, kKBlocks + j, stage), partial);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kKBlocks; ++j)  // hi_a * hi_b
-        cute::gemm(tiled_mma, tCrA_hi(_, _, j), tCrB(_, _, j, stage), partial);
+        cute::gemm(tiled_mma, hi(_, _, j), tCrB(_, _, j, stage), partial);
       warpgroup_commit_batch();
     };
     auto promote = [&] {
       warpgroup_wait<0>();
       warpgroup_fence_operand(partial);
-      warpgroup_fence_operand(tCrA_hi);
-      warpgroup_fence_operand(tCrA_lo);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accum); ++i) accum(i) += partial(i);
       warpgroup_fence_operand(accum);
+      restart = true;
     };
 
-    // The same stage bookkeeping as the library's mainloop: the first K-tile's stage is released
-    // by mma_tail, every later one after the next K-tile's products.
+    // One K-tile: its products (from the split held in hi / lo) issued; then, once the previous
+    // K-tile's products are done (its stage and its fragments free), that stage released and the
+    // next K-tile's stage waited for and split into next_hi / next_lo while this K-tile's
+    // products run; every Interval K-tiles, the promotion.
     PipelineState smem_pipe_release = smem_pipe_read;
+    int k_tile = 0;
+    int since_promotion = (warp_group_idx % 2) * (Interval / 2);
+    auto step = [&](auto& hi, auto& lo, auto& next_hi, auto& next_lo) {
+      issue_products(smem_pipe_read.index(), hi, lo);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(next_hi);
+      warpgroup_fence_operand(next_lo);
+      if (k_tile > 0) {
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+      }
+      ++smem_pipe_read;
+      if (k_tile + 1 < k_tile_count) {
+        pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
+        split_a(smem_pipe_read.index(), next_hi, next_lo);
+      }
+      if (++since_promotion == Interval) {
+        promote();
+        since_promotion = 0;
+      }
+      ++k_tile;
+    };
     if (k_tile_count > 0) {
       pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
-      split_a(smem_pipe_read.index());
-      issue_products(smem_pipe_read.index());
-      promote();
-      ++smem_pipe_read;
+      split_a(smem_pipe_read.index(), hi_0, lo_0);
     }
     CUTLASS_PRAGMA_NO_UNROLL
-    for (int k_tile = 1; k_tile < k_tile_count; ++k_tile) {
-      pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
-      split_a(smem_pipe_read.index());
-      issue_products(smem_pipe_read.index());
-      promote();
-      pipeline.consumer_release(smem_pipe_release);
-      ++smem_pipe_read;
-      ++smem_pipe_release;
+    while (k_tile < k_tile_count) {
+      step(hi_0, lo_0, hi_1, lo_1);
+      if (k_tile < k_tile_count) step(hi_1, lo_1, hi_0, lo_0);
     }
+    if (since_promotion > 0) promote();  // the residue (also drains every wgmma)
+    warpgroup_wait<0>();
+    if (k_tile_count > 0) pipeline.consumer_release(smem_pipe_release);
     warpgroup_fence_operand(accum);
   }
 
-  CUTLASS_DEVICE void mma_tail(MainloopPipeline pipeline, PipelineState smem_pipe_release,
-                               int k_tile_count) {
-    if (k_tile_count <= 0) return;
-    smem_pipe_release.advance(k_tile_count - 1);
-    pipeline.consumer_release(smem_pipe_release);
-  }
+  // mma() released every stage it read.
+  CUTLASS_DEVICE void mma_tail(MainloopPipeline, PipelineState, int) {}
 };
-
 using Tree = epifuse::evt::PerColumnAffine<Shape<_128, _128, _64>, float,
                                            epifuse::evt::ScaledAccFetch<Shape<_128, _128, _64>>>;
 
+template <int Interval>
 struct Gemm {
-  using Main = Mainloop<5>;
+  using Main = Mainloop<5, Interval>;
   using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Shape<_128, _128, _64>, Shape<_1, _1, _1>,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
@@ -353,6 +379,12 @@ struct Gemm {
 using LibraryConfig =
     epifuse::sm90::TileConfig<float, cute::Shape<cute::_128, cute::_128, cute::_64>,
                               cute::Shape<cute::_2, cute::_1, cute::_1>,
+                              cutlass::gemm::PersistentScheduler, false, true>;
+
+// The same on one-CTA clusters (no multicast of B), as the register-split kernel runs.
+using LibraryConfig1x1 =
+    epifuse::sm90::TileConfig<float, cute::Shape<cute::_128, cute::_128, cute::_64>,
+                              cute::Shape<cute::_1, cute::_1, cute::_1>,
                               cutlass::gemm::PersistentScheduler, false, true>;
 
 // e[r] = ilogb(max_k |a[r, k]| over finite values) - 14 (0 for a row of zeros): split_fp16's row
@@ -431,24 +463,39 @@ int main() {
     p.x_exponents = epifuse::split_fp16_exponents(a_split, M, K);
     p.w_exponents = epifuse::split_fp16_exponents(b_split, N, K);
     auto lib_gemm = [&] { epifuse::sm90::run_affine<LibraryConfig>(p, {}, ws, dev, sms, s); };
-    auto rs_gemm = [&] {
-      rs3x::Gemm::run(a, b_split, e_a, p.w_exponents, d_rs, M, N, Ks, ws, ws_bytes, sms, s);
+    auto lib_gemm_1x1 = [&] {
+      epifuse::sm90::run_affine<LibraryConfig1x1>(p, {}, ws, dev, sms, s);
     };
-    split_a(); split_b(); exponents_a(); lib_gemm(); rs_gemm();
-    const unsigned long long differ = differing_bits(d_lib, d_rs, int64_t(M) * N, s);
-    const double e_lib = max_error_ratio(d_lib, rd, int64_t(M) * N, s);
-    const double e_rs = max_error_ratio(d_rs, rd, int64_t(M) * N, s);
     const double flop = 2.0 * M * N * K;
+    split_a(); split_b(); exponents_a();
+    const double e_lib_1 = (lib_gemm(), max_error_ratio(d_lib, rd, int64_t(M) * N, s));
     const float t_split = best_ms(s, flush, flush_bytes, split_a);
-    const float t_lib = best_ms(s, flush, flush_bytes, lib_gemm);
     const float t_exp = best_ms(s, flush, flush_bytes, exponents_a);
-    const float t_rs = best_ms(s, flush, flush_bytes, rs_gemm);
-    printf("%s (M=%d N=%d K=%d): outputs differing in bits: %llu of %lld; max err / max |ref|: "
-           "library %.2e, registers %.2e\n", sh.label, M, N, K, differ, (long long)M * N, e_lib, e_rs);
-    printf("  ms: library split of A %.3f + GEMM %.3f (%.0f TFLOP/s) = %.3f | A's exponents %.3f + "
-           "register-split GEMM %.3f (%.0f TFLOP/s) = %.3f\n",
-           t_split, t_lib, flop / t_lib * 1e-9, t_split + t_lib, t_exp, t_rs, flop / t_rs * 1e-9,
-           t_exp + t_rs);
+    printf("%s (M=%d N=%d K=%d): ms: library split of A %.3f, A's exponents %.3f; max err / max "
+           "|ref| of the library GEMM (promotion every K-tile) %.2e\n", sh.label, M, N, K, t_split,
+           t_exp, e_lib_1);
+    auto compare = [&](int interval, auto rs_gemm) {
+      epifuse::sm90::g_promotion_interval = uint32_t(interval);
+      lib_gemm(); rs_gemm();
+      const unsigned long long differ = differing_bits(d_lib, d_rs, int64_t(M) * N, s);
+      const double e_rs = max_error_ratio(d_rs, rd, int64_t(M) * N, s);
+      const float t_lib = best_ms(s, flush, flush_bytes, lib_gemm);
+      const float t_rs = best_ms(s, flush, flush_bytes, rs_gemm);
+      printf("  promotion every %d K-tile(s): library GEMM %.3f ms (%.0f TFLOP/s), register-split "
+             "GEMM %.3f ms (%.0f TFLOP/s, max err %.2e); outputs differing in bits: %llu of %lld\n",
+             interval, t_lib, flop / t_lib * 1e-9, t_rs, flop / t_rs * 1e-9, e_rs, differ,
+             (long long)M * N);
+    };
+    compare(1, [&] {
+      rs3x::Gemm<1>::run(a, b_split, e_a, p.w_exponents, d_rs, M, N, Ks, ws, ws_bytes, sms, s);
+    });
+    compare(2, [&] {
+      rs3x::Gemm<2>::run(a, b_split, e_a, p.w_exponents, d_rs, M, N, Ks, ws, ws_bytes, sms, s);
+    });
+    epifuse::sm90::g_promotion_interval = 1;
+    const float t_lib_1x1 = best_ms(s, flush, flush_bytes, lib_gemm_1x1);
+    printf("  the library GEMM on 1x1 clusters: %.3f ms (%.0f TFLOP/s)\n", t_lib_1x1,
+           flop / t_lib_1x1 * 1e-9);
     for (void* ptr : {(void*)a, (void*)b, (void*)d_lib, (void*)d_rs, (void*)e_a, (void*)ad,
                       (void*)bd, (void*)rd, a_split, b_split})
       CK(cudaFree(ptr));

@@ -7,7 +7,8 @@ fused model's training step with every parameter's version bumped (as an optimiz
 would): the step's time (CUDA events, median) alone and queued (benchmarks.timing: the host ahead,
 so the difference is the host's latency before the first kernel and any gaps), then one
 torch.profiler recording of a few steps,
-printed as GPU ms per step by (epifuse op, kernel). Then the forward GEMM op alone
+printed as GPU ms per step by (epifuse op, kernel), and where steps started from an idle GPU wait
+on the host (``idle_gaps``). Then the forward GEMM op alone
 (``gemm_colstats`` with a new weight version each call, and ``gemm_affine`` with a kept weight
 split) and the SM clock and power over a second of steps and a second of forward GEMMs alone
 (nvidia-smi), to tell kernel time from clock throttling.
@@ -16,10 +17,12 @@ split) and the SM clock and power over a second of steps and a second of forward
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -78,6 +81,52 @@ def kernel_table(fn, steps: int = 3) -> None:
     print(f"  kernels per step, GPU ms (sum {total:.3f}):")
     for (op, kern), ms in sorted(times.items(), key=lambda kv: -kv[1]):
         print(f"    {ms:8.3f}  x{counts[(op, kern)] / steps:4.1f}  {op:32s} {kern}")
+
+
+def idle_gaps(fn, steps: int = 3, shown: int = 4) -> None:
+    """Where a step started from an idle GPU waits on the host: per step, the time from the step's
+    start on the host to its first kernel, the GPU's idle time between its first kernel and its
+    last, and the largest gaps with the kernels on either side and the host's CUDA calls that ran
+    during each (a slow cudaMalloc, a synchronization). From a torch.profiler trace."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            with torch.profiler.record_function("idle_gaps.step"):
+                fn()
+            torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in trace  # the host's, not the
+                   if e.get("name") == "idle_gaps.step" and e.get("ph") == "X"  # GPU's copy
+                   and e.get("cat") == "user_annotation")
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), short(e["name"])) for e in trace
+                 if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    host = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in trace
+            if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("dur", 0) > 10]
+    for i, (t0, _) in enumerate(spans):
+        t1 = spans[i + 1][0] if i + 1 < len(spans) else float("inf")
+        ks = [k for k in gpu if t0 <= k[0] < t1]
+        if not ks:
+            continue
+        gaps, busy_end = [], ks[0][1]
+        for prev, k in zip(ks, ks[1:]):
+            if k[0] > busy_end:
+                gaps.append((k[0] - busy_end, busy_end, prev[2], k[2]))
+            busy_end = max(busy_end, k[1])
+        idle = sum(g[0] for g in gaps)
+        print(f"  idle step {i}: first kernel {(ks[0][0] - t0) / 1e3:.3f} ms after the step's "
+              f"start; GPU span {(busy_end - ks[0][0]) / 1e3:.3f} ms, idle in it {idle / 1e3:.3f} "
+              f"ms over {len(gaps)} gaps", flush=True)
+        early = [f"{n} {(b - a) / 1e3:.3f}" for a, b, n in host if t0 <= a < ks[0][0]]
+        print(f"    host calls before the first kernel: {', '.join(early[:6]) or '-'}", flush=True)
+        for gap, at, before, after in sorted(gaps, reverse=True)[:shown]:
+            calls = [f"{n} {(b - a) / 1e3:.3f}" for a, b, n in host if a < at + gap and b > at]
+            print(f"    {gap / 1e3:.3f} ms after {before} before {after}; host calls then: "
+                  f"{', '.join(calls[:4]) or '-'}", flush=True)
 
 
 def unscheduled_gemms(fn, steps: int = 3) -> dict:
@@ -153,6 +202,10 @@ def run_case(name: str) -> None:
           f"{queued['median_ms']:.3f} ms queued (the host ahead; GPU kept busy: "
           f"{queued['gpu_kept_busy']})", flush=True)
     kernel_table(step)
+    try:
+        idle_gaps(step)
+    except Exception as e:  # noqa: BLE001 -- a trace format this torch does not write
+        print(f"  idle gaps: not measured ({type(e).__name__}: {e})", flush=True)
     print(f"  clocks over steps: {clocks(step)}", flush=True)
     gemms = step_gemms.measure(lambda pair: step(), None, DEV)
     print("  benchmarks.step_gemms, ms per step: " +

@@ -38,13 +38,10 @@ constexpr size_t kRefineCopyBytes = size_t(32) << 20;
 constexpr int64_t kMinCopyChunkTiles = 256;
 
 int64_t refine_copy_chunk(int64_t rows, int64_t n, int64_t m, size_t row_bytes) {
-  auto wide_tiles = [&](int64_t r) { return ((m + 127) / 128) * ((r + 255) / 256); };
-  while (size_t(rows) * row_bytes > kRefineCopyBytes) {
-    const int64_t half = dispatch::copy_chunk_rows(n, row_bytes, size_t(rows) * row_bytes / 2);
-    if (half >= rows || wide_tiles(half) < kMinCopyChunkTiles) break;
-    rows = half;
-  }
-  return rows;
+  return dispatch::halve_chunk_for_memory(
+      rows, row_bytes, kRefineCopyBytes,
+      [&](int64_t r) { return dispatch::copy_chunk_rows(n, row_bytes, size_t(r) * row_bytes / 2); },
+      [&](int64_t r) { return ((m + 127) / 128) * ((r + 255) / 256) >= kMinCopyChunkTiles; });
 }
 
 }  // namespace

@@ -27,9 +27,9 @@ void refine_split_chunks(int64_t M, int64_t N, size_t fp32_row_bytes, int64_t& x
   }
   x_chunk = std::min(x_chunk, M);
   w_chunk = std::min(w_chunk, N);
-  while (x_chunk == M && size_t(w_chunk) * fp32_row_bytes > kWSplitSoftBytes &&
-         half(w_chunk) < w_chunk && tiles(M, half(w_chunk)) >= kMinSoftChunkTiles) {
-    w_chunk = half(w_chunk);
+  if (x_chunk == M) {
+    w_chunk = halve_chunk_for_memory(w_chunk, fp32_row_bytes, kWSplitSoftBytes, half,
+                                     [&](int64_t w) { return tiles(M, w) >= kMinSoftChunkTiles; });
   }
 }
 

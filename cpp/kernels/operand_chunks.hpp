@@ -40,6 +40,21 @@ int64_t copy_chunk_rows(int64_t n, size_t row_bytes, size_t budget);
 // K = 1024): x's and w's splits of 64 MiB each become two chunks of 32 MiB each, four GEMMs of 1024
 // tiles, and the step's peak drops from 1.23x eager's to 1.08x.
 constexpr int64_t kMinChunkTiles = 1024;
+// The memory rule shared by the 3x splits (below) and the TF32 K-major copies
+// (cublas_k_major_copies.cu): a chunk of `rows` rows of row_bytes each is halved (half(rows))
+// while it holds over `budget` bytes and the halved chunk's GEMM still has enough tiles
+// (enough_tiles(rows)); returns the chunk's rows.
+template <class Half, class EnoughTiles>
+int64_t halve_chunk_for_memory(int64_t rows, size_t row_bytes, size_t budget, Half half,
+                               EnoughTiles enough_tiles) {
+  while (size_t(rows) * row_bytes > budget) {
+    const int64_t halved = half(rows);
+    if (halved >= rows || !enough_tiles(halved)) break;
+    rows = halved;
+  }
+  return rows;
+}
+
 // Then, for memory: where x is one chunk (so a chunk of w is split once, never again per chunk of
 // x), w's chunk is halved while its split holds over kWSplitSoftBytes and each GEMM keeps at
 // least kMinSoftChunkTiles 128x128 tiles (~4 waves on 132 SMs: the last wave's idle SMs cost a few

@@ -2,7 +2,7 @@
 //
 // The library's 3x GEMM (sm90_mainloop_3x.hpp) reads both operands split ahead into FP16 hi/lo
 // parts (split_fp16.cu): a read and a write of each operand before the GEMM, and the split's
-// memory while it runs. docs/performance.md ("Next: the 3x split inside the mainloop") budgets
+// memory while it runs. docs/performance.md ("The 3x split inside the mainloop") budgets
 // the alternatives per K-tile: converting both operands in shared memory exceeds the SM's
 // shared-memory bandwidth, converting one operand in registers fits. This is that mainloop:
 //   - A stays fp32 in global memory; TMA loads 128 x 32 fp32 tiles, and the tile's 128 row
@@ -17,13 +17,16 @@
 // Measured: the GEMM against the library's on split operands (W's split kept) and against its
 // split of A plus that GEMM, at problem 84's forward (z^T = W . x^T: A = W, 8192 x 8192) and
 // problem 39's (A = x, 16384 x 4096), with the error against float64 (cuBLAS DGEMM).
-// This mainloop drains each K-tile's wgmmas before converting the next (as the library's does
-// with promotion every K-tile); the other consumer warpgroup keeps the tensor cores busy meanwhile.
-// Cluster 1x1 here (the library's kernels use 2x1 with B multicast).
+// Each K-tile's products are issued, then the next K-tile's A is split into the other set of
+// fragments while they run; promotion every K-tile (the library's default) or every 2 (the second
+// warpgroup a K-tile behind, as in the library), a template argument. Cluster 1x1 (the library's
+// kernels use 2x1 with B multicast; the library GEMM is also timed on 1x1 clusters).
 //
-// Status: written and compiled for sm_90a (168 registers a thread before setmaxnreg, no spills,
-// no wgmma serialization), not yet run: its first run answers whether the register split keeps
-// the GEMM's rate (docs/performance.md's budget says it can).
+// Measured (H200): bit-identical to the library GEMM at both shapes and both intervals, but
+// slower: problem 84's shape 0.653 ms (210 TFLOP/s) + 0.073 ms of exponents against the library's
+// 0.529 + 0.134 ms split; problem 39's 3.205 + 0.075 against 2.214 + 0.135. Every 2 K-tiles: 186
+// and 168 TFLOP/s. The first version (ldexpf, single-element loads, no overlap): 63 TFLOP/s.
+// docs/performance.md has the table and what it leaves.
 //
 //   CL=<site-packages>/cutlass_library/source NV=<site-packages>/nvidia/cu13
 //   /usr/local/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -DNDEBUG \

@@ -26,7 +26,9 @@
 // slower: problem 84's shape 0.653 ms (210 TFLOP/s) + 0.073 ms of exponents against the library's
 // 0.529 + 0.134 ms split; problem 39's 3.205 + 0.075 against 2.214 + 0.135. Every 2 K-tiles: 186
 // and 168 TFLOP/s. The first version (ldexpf, single-element loads, no overlap): 63 TFLOP/s.
-// docs/performance.md has the table and what it leaves.
+// docs/performance.md has the table and what it leaves. The truncated-hi split (TruncatedHi,
+// half the conversions) is compiled and not yet run: it tests whether the conversions are what
+// the GEMM pays for.
 //
 //   CL=<site-packages>/cutlass_library/source NV=<site-packages>/nvidia/cu13
 //   /usr/local/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -DNDEBUG \
@@ -62,8 +64,13 @@ struct Policy : cutlass::gemm::MainloopSm90TmaGmmaWarpSpecialized<
 
 // A: fp32 [M, K] row-major (K-major), split in registers; B: the library's split [N, 2 * Kp].
 // Interval: K-tiles per promotion (the library's default, 1, or 2); the second warpgroup promotes
-// half an interval after the first, as the library's do.
-template <int Stages, int Interval>
+// half an interval after the first, as the library's do. TruncatedHi: hi = a with its low 13
+// significand bits cleared (exact in FP16 for |a| >= 2^-14, as 2^-29 of the row's largest), so
+// that lo = a - hi needs no conversion of hi back to fp32: two conversions a pair instead of four.
+// Not split_fp16's split (it rounds hi to nearest), so not bit-identical to the library's GEMM;
+// lo still holds the remainder's leading 11 bits (22 in all). Finite values only (a NaN whose
+// payload is in the cleared bits would become an Inf; such rows are recomputed anyway).
+template <int Stages, int Interval, bool TruncatedHi = false>
 struct Mainloop {
   using DispatchPolicy = Policy<Stages>;
   using ClusterShape = Shape<_1, _1, _1>;
@@ -260,8 +267,16 @@ struct Mainloop {
         const float pre = e < -126 ? 0x1p64f : 1.f;
         const float s = __int_as_float((127 - (e < -126 ? e + 64 : e)) << 23);
         const float a0 = v.x * pre * s, a1 = v.y * pre * s;
-        const __half2 h = __floats2half2_rn(a0, a1);
-        const float2 hf = __half22float2(h);
+        float2 hf;
+        __half2 h;
+        if constexpr (TruncatedHi) {
+          hf = make_float2(__uint_as_float(__float_as_uint(a0) & 0xFFFFE000u),
+                           __uint_as_float(__float_as_uint(a1) & 0xFFFFE000u));
+          h = __floats2half2_rn(hf.x, hf.y);
+        } else {
+          h = __floats2half2_rn(a0, a1);
+          hf = __half22float2(h);
+        }
         const __half2 l = __floats2half2_rn(a0 - hf.x, a1 - hf.y);
         hi2(i / 2) = reinterpret_cast<uint32_t const&>(h);
         lo2(i / 2) = reinterpret_cast<uint32_t const&>(l);
@@ -345,9 +360,9 @@ struct Mainloop {
 using Tree = epifuse::evt::PerColumnAffine<Shape<_128, _128, _64>, float,
                                            epifuse::evt::ScaledAccFetch<Shape<_128, _128, _64>>>;
 
-template <int Interval>
+template <int Interval, bool TruncatedHi = false>
 struct Gemm {
-  using Main = Mainloop<5, Interval>;
+  using Main = Mainloop<5, Interval, TruncatedHi>;
   using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Shape<_128, _128, _64>, Shape<_1, _1, _1>,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
@@ -477,7 +492,7 @@ int main() {
     printf("%s (M=%d N=%d K=%d): ms: library split of A %.3f, A's exponents %.3f; max err / max "
            "|ref| of the library GEMM (promotion every K-tile) %.2e\n", sh.label, M, N, K, t_split,
            t_exp, e_lib_1);
-    auto compare = [&](int interval, auto rs_gemm) {
+    auto compare = [&](int interval, const char* split, auto rs_gemm) {
       epifuse::sm90::g_promotion_interval = uint32_t(interval);
       lib_gemm(); rs_gemm();
       const unsigned long long differ = differing_bits(d_lib, d_rs, int64_t(M) * N, s);
@@ -485,15 +500,19 @@ int main() {
       const float t_lib = best_ms(s, flush, flush_bytes, lib_gemm);
       const float t_rs = best_ms(s, flush, flush_bytes, rs_gemm);
       printf("  promotion every %d K-tile(s): library GEMM %.3f ms (%.0f TFLOP/s), register-split "
-             "GEMM %.3f ms (%.0f TFLOP/s, max err %.2e); outputs differing in bits: %llu of %lld\n",
-             interval, t_lib, flop / t_lib * 1e-9, t_rs, flop / t_rs * 1e-9, e_rs, differ,
-             (long long)M * N);
+             "GEMM (%s) %.3f ms (%.0f TFLOP/s, max err %.2e); outputs differing in bits: %llu of "
+             "%lld\n", interval, t_lib, flop / t_lib * 1e-9, split, t_rs, flop / t_rs * 1e-9, e_rs,
+             differ, (long long)M * N);
     };
-    compare(1, [&] {
+    compare(1, "hi rounded", [&] {
       rs3x::Gemm<1>::run(a, b_split, e_a, p.w_exponents, d_rs, M, N, Ks, ws, ws_bytes, sms, s);
     });
-    compare(2, [&] {
+    compare(2, "hi rounded", [&] {
       rs3x::Gemm<2>::run(a, b_split, e_a, p.w_exponents, d_rs, M, N, Ks, ws, ws_bytes, sms, s);
+    });
+    compare(1, "hi truncated", [&] {
+      rs3x::Gemm<1, true>::run(a, b_split, e_a, p.w_exponents, d_rs, M, N, Ks, ws, ws_bytes, sms,
+                               s);
     });
     epifuse::sm90::g_promotion_interval = 1;
     const float t_lib_1x1 = best_ms(s, flush, flush_bytes, lib_gemm_1x1);

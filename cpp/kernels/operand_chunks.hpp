@@ -41,9 +41,9 @@ int64_t copy_chunk_rows(int64_t n, size_t row_bytes, size_t budget);
 // tiles, and the step's peak drops from 1.23x eager's to 1.08x.
 constexpr int64_t kMinChunkTiles = 1024;
 // The memory rule shared by the 3x splits (below) and the TF32 K-major copies
-// (cublas_k_major_copies.cu): a chunk of `rows` rows of row_bytes each is halved (half(rows))
-// while it holds over `budget` bytes and the halved chunk's GEMM still has enough tiles
-// (enough_tiles(rows)); returns the chunk's rows.
+// (cublas_k_major_copies.cu): a chunk of `rows` rows of row_bytes each becomes half(rows) while
+// it holds over `budget` bytes, half(rows) is smaller and enough_tiles(half(rows)) says the
+// smaller chunk's GEMM still has enough tiles; returns the chunk's rows.
 template <class Half, class EnoughTiles>
 int64_t halve_chunk_for_memory(int64_t rows, size_t row_bytes, size_t budget, Half half,
                                EnoughTiles enough_tiles) {

@@ -107,6 +107,8 @@ def idle_gaps(fn, steps: int = 3, shown: int = 4) -> None:
                  if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
     host = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in trace
             if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("dur", 0) > 10]
+    ops = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in trace
+           if e.get("cat") in ("cpu_op", "python_function") and e.get("dur", 0) > 20]
     for i, (t0, _) in enumerate(spans):
         t1 = spans[i + 1][0] if i + 1 < len(spans) else float("inf")
         ks = [k for k in gpu if t0 <= k[0] < t1]
@@ -123,6 +125,11 @@ def idle_gaps(fn, steps: int = 3, shown: int = 4) -> None:
               f"ms over {len(gaps)} gaps", flush=True)
         early = [f"{n} {(b - a) / 1e3:.3f}" for a, b, n in host if t0 <= a < ks[0][0]]
         print(f"    host calls before the first kernel: {', '.join(early[:6]) or '-'}", flush=True)
+        # The host's ops that ran before the first kernel, longest first (nested ones included:
+        # an op's time holds its children's).
+        before = sorted(((b - a, n) for a, b, n in ops if t0 <= a < ks[0][0]), reverse=True)
+        print("    ops before the first kernel (ms): " +
+              (", ".join(f"{n} {d / 1e3:.3f}" for d, n in before[:8]) or "-"), flush=True)
         for gap, at, before, after in sorted(gaps, reverse=True)[:shown]:
             calls = [f"{n} {(b - a) / 1e3:.3f}" for a, b, n in host if a < at + gap and b > at]
             print(f"    {gap / 1e3:.3f} ms after {before} before {after}; host calls then: "

@@ -35,15 +35,8 @@
 #include <cstdio>
 #include <vector>
 
-#include "debug_switches.cu"  // split_fp16.cu reads EPIFUSE_SPLIT_WIDE_TILES
-#include "sm90_gemm.cuh"
-#include "split_fp16.cu"
+#include "library_3x.cuh"
 #include "standalone.cuh"
-
-namespace epifuse::sm90 {
-static uint32_t g_promotion = 1;
-uint32_t split3x_promotion_interval() { return g_promotion; }
-}  // namespace epifuse::sm90
 
 using namespace cute;
 namespace fusion = cutlass::epilogue::fusion;
@@ -107,7 +100,7 @@ struct SplitGemm {
         cutlass::gemm::GemmUniversalMode::kGemm,
         {M, N, Ks, 1},
         {x, make_stride(int64_t(Ks), Int<1>{}, int64_t(0)), w,
-         make_stride(int64_t(Ks), Int<1>{}, int64_t(0)), epifuse::sm90::g_promotion},
+         make_stride(int64_t(Ks), Int<1>{}, int64_t(0)), epifuse::sm90::g_promotion_interval},
         {fa, nullptr, {}, d, make_stride(int64_t(N), Int<1>{}, int64_t(0))},
         cutlass::KernelHardwareInfo{0, 132}};
     int dev;
@@ -188,11 +181,11 @@ static void run_shape(Bufs& b, cublasHandle_t h, cudaStream_t s, int M, int N, i
   CK(cudaMemcpyAsync(b.d2, b.d, sizeof(float) * size_t(M) * N, cudaMemcpyDeviceToDevice, s));
   double e16[2], e32;
   for (int p = 1; p <= 2; ++p) {
-    epifuse::sm90::g_promotion = p;
+    epifuse::sm90::g_promotion_interval = p;
     fp16_split_x(); fp16_split_w(); fp16_gemm();
     e16[p - 1] = error();
   }
-  epifuse::sm90::g_promotion = 1;
+  epifuse::sm90::g_promotion_interval = 1;
   tf32_split_x(); tf32_split_w(); tf32_gemm();
   e32 = error();
   fp16_split_x(); fp16_split_w(); fp16_gemm();
@@ -210,9 +203,9 @@ static void run_shape(Bufs& b, cublasHandle_t h, cudaStream_t s, int M, int N, i
   const float t_hw = best_ms(s, b.flush, b.flush_bytes, fp16_split_w);
   const float t_hxc = best_ms(s, b.flush, b.flush_bytes, fp16_split_x_cm);
   const float t_hg = best_ms(s, b.flush, b.flush_bytes, fp16_gemm);
-  epifuse::sm90::g_promotion = 2;
+  epifuse::sm90::g_promotion_interval = 2;
   const float t_hg2 = best_ms(s, b.flush, b.flush_bytes, fp16_gemm);
-  epifuse::sm90::g_promotion = 1;
+  epifuse::sm90::g_promotion_interval = 1;
   printf("  ms: sgemm %.3f | 3xtf32 split x %.3f w %.3f gemm %.3f (%.0f TFLOP/s) | 3xfp16 split x %.3f "
          "(column-major x: %.3f) w %.3f gemm %.3f (%.0f TFLOP/s), promotion 2: %.3f\n",
          t_sg, t_tx, t_tw, t_tg, flop / t_tg * 1e-9, t_hx, t_hxc, t_hw, t_hg, flop / t_hg * 1e-9, t_hg2);
@@ -221,9 +214,7 @@ static void run_shape(Bufs& b, cublasHandle_t h, cudaStream_t s, int M, int N, i
 int main() {
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
-  cublasHandle_t h;
-  CB(cublasCreate(&h));
-  CB(cublasSetStream(h, s));
+  cublasHandle_t h = cublas_on(s);
   CB(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH));
   Bufs b;
   const size_t maxMK = size_t(16384) * 8192, maxNK = size_t(8192) * 8192, maxMN = size_t(16384) * 8192;

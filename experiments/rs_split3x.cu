@@ -43,15 +43,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "debug_switches.cu"  // split_fp16.cu reads EPIFUSE_SPLIT_WIDE_TILES
-#include "sm90_gemm.cuh"
-#include "split_fp16.cu"
+#include "library_3x.cuh"
 #include "standalone.cuh"
-
-namespace epifuse::sm90 {
-uint32_t g_promotion_interval = 1;  // the library GEMM's, set before each comparison
-uint32_t split3x_promotion_interval() { return g_promotion_interval; }
-}  // namespace epifuse::sm90
 
 namespace rs3x {
 
@@ -433,9 +426,7 @@ __global__ void scale_rows(int64_t rows, int64_t cols, float* a) {  // row r tim
 int main() {
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
-  cublasHandle_t h;
-  CB(cublasCreate(&h));
-  CB(cublasSetStream(h, s));
+  cublasHandle_t h = cublas_on(s);
   int dev, sms;
   CK(cudaGetDevice(&dev));
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));

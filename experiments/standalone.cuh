@@ -29,6 +29,16 @@
     }                                                                        \
   } while (0)
 
+#ifdef CUBLAS_V2_H_
+// A cuBLAS handle that runs on stream s (the experiments' reference GEMMs).
+inline cublasHandle_t cublas_on(cudaStream_t s) {
+  cublasHandle_t h;
+  CB(cublasCreate(&h));
+  CB(cublasSetStream(h, s));
+  return h;
+}
+#endif
+
 // A CUTLASS device GEMM (GemmUniversalAdapter) run once: exits with a message where its workspace
 // is over ws_bytes or CUTLASS refuses the arguments.
 template <class Adapter, class Arguments>

@@ -223,8 +223,7 @@ int main(int argc, char** argv) {
   c.flush_bytes = size_t(256) << 20;
   CK(cudaMalloc(&c.flush, c.flush_bytes));
   CK(cudaStreamCreate(&c.s));
-  CB(cublasCreate(&c.h));
-  CB(cublasSetStream(c.h, c.s));
+  c.h = cublas_on(c.s);
   fill_f32<<<c.sms * 8, 256, 0, c.s>>>(int64_t(most), c.A, 1);
   fill_f32<<<c.sms * 8, 256, 0, c.s>>>(int64_t(most), c.B, 2);
   CK(cudaGetLastError());

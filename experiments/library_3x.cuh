@@ -1,7 +1,7 @@
-// What the standalone experiments that run the library's own 3x GEMM and split share (one nvcc
-// translation unit each, no torch): the library's sources they compile in, and the promotion
+// What a standalone experiment that runs the library's own 3x GEMM and split needs (one nvcc
+// translation unit, no torch): the library's sources it compiles in, and the promotion
 // interval the library reads through sm90::split3x_promotion_interval(), which gemm_run.cu
-// defines from a debug switch in the library and each experiment sets directly here.
+// defines from a debug switch in the library and the experiment sets directly here.
 #pragma once
 
 #include "debug_switches.cu"  // split_fp16.cu reads EPIFUSE_SPLIT_WIDE_TILES

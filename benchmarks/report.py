@@ -710,6 +710,10 @@ STEP_LEGEND = (
     "queued = the same steps' GPU time with the host ahead (10 steps queued behind a spin "
     "kernel, timed back to back; median of 5 rounds), where each step above is timed alone from "
     "an idle GPU, the host's latency before its first kernel included. "
+    "Clocks: ours, eager and compile take turns in rounds, so each one's steps start on a card "
+    "that rested during the others'; run back to back for seconds, ours at default precision "
+    "draw the card's power cap and its SM clock falls 16-27% (eager's stays at full clock), "
+    "up to ~10% of their time (docs/performance.md, 'What bounds 4x eager'). "
     "err dX / err dW = the input's and gemm.weight's gradients against a float64 step with the "
     "same (rounded) parameters, x and g.")
 AMP_LEGEND = (

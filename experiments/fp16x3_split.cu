@@ -72,44 +72,6 @@ static void split_tf32(const float* src, int64_t rows, int64_t cols, float* dst,
                       dim3(32, 8), 0, s>>>(src, rows, cols, dst, ld);
 }
 
-// A split GEMM: ElementIn = float (TF32 wgmma) or half_t, the 3x mainloop, fp32 D.
-template <class ElementIn, class TileK, class Fusion>
-struct SplitGemm {
-  using TileShape = Shape<_128, _128, TileK>;
-  using ClusterShape = Shape<_2, _1, _1>;
-  using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
-      cutlass::layout::RowMajor, 4, float, cutlass::layout::RowMajor, 4,
-      cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
-  using Built = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, cutlass::layout::RowMajor,
-      16 / sizeof(ElementIn), ElementIn, cutlass::layout::ColumnMajor, 16 / sizeof(ElementIn), float,
-      TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Mainloop = epifuse::sm90::Split3xMainloop<Built, ClusterShape>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epi,
-                                                      cutlass::gemm::PersistentScheduler>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-
-  // x [M, Ks], w [N, Ks] in the split layout (Ks = its row width in elements).
-  static void run(const ElementIn* x, const ElementIn* w, float* d, int M, int N, int Ks,
-                  typename Fusion::Arguments fa, void* ws, size_t ws_bytes, cudaStream_t s) {
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        {M, N, Ks, 1},
-        {x, make_stride(int64_t(Ks), Int<1>{}, int64_t(0)), w,
-         make_stride(int64_t(Ks), Int<1>{}, int64_t(0)), epifuse::sm90::g_promotion_interval},
-        {fa, nullptr, {}, d, make_stride(int64_t(N), Int<1>{}, int64_t(0))},
-        cutlass::KernelHardwareInfo{0, 132}};
-    int dev;
-    CK(cudaGetDevice(&dev));
-    CK(cudaDeviceGetAttribute(&args.hw_info.sm_count, cudaDevAttrMultiProcessorCount, dev));
-    run_or_exit<Gemm>(args, ws, ws_bytes, s);
-  }
-};
-
 // FP16 parts through the production tree (the plain product: a = 1, c = 0) with its scaled
 // accumulator; TF32 parts through the plain one.
 using Fp16Tree = epifuse::evt::PerColumnAffine<Shape<_128, _128, _64>, float,

@@ -82,14 +82,27 @@ using Tree = epifuse::evt::PerColumnAffine<Shape<_128, _128, _64>, float,
 using KMajorB = SplitGemm<cutlass::half_t, _64, Tree>;
 using MnMajorB = SplitGemm<cutlass::half_t, _64, Tree, cutlass::layout::RowMajor>;
 
+// Room for the largest shape run (M, N, K up to 16384, 8192, 8192).
 struct Bufs {
-  float *dz, *dzs, *w, *d, *d2, *zeros, *e_w;
-  double *dzd, *wd, *rd;
-  void *dz_split, *w_split, *ws;
-  __half* w_parts;
+  static constexpr size_t kMN = size_t(16384) * 8192, kNK = size_t(8192) * 8192, kMK = kMN;
+  float* dz = device_buffer<float>(kMN);
+  float* dzs = device_buffer<float>(kMN);  // dZ' = dZ 2^e_w
+  float* w = device_buffer<float>(kNK);
+  float* d = device_buffer<float>(kMK);
+  float* d2 = device_buffer<float>(kMK);
+  float* zeros = device_buffer<float>(8192);  // B's exponents in the row-split product
+  float* e_w = device_buffer<float>(8192);
+  double* dzd = device_buffer<double>(kMN);
+  double* wd = device_buffer<double>(kNK);
+  double* rd = device_buffer<double>(kMK);
+  void* dz_split = device_buffer<char>(epifuse::split_fp16_bytes(16384, 8192));
+  void* w_split = device_buffer<char>(epifuse::split_fp16_bytes(8192, 8192));
+  __half* w_parts = device_buffer<__half>(2 * kNK + 2048);
   size_t ws_bytes = size_t(64) << 20;
-  void* flush;
+  void* ws = device_buffer<char>(ws_bytes);
   size_t flush_bytes = size_t(256) << 20;
+  void* flush = device_buffer<char>(flush_bytes);
+  Bufs() { CK(cudaMemset(zeros, 0, 8192 * sizeof(float))); }
 };
 
 // dX [M, K] = dZ [M, N] . W [N, K] both ways; errors against DGEMM, then (timing) each part.
@@ -169,26 +182,8 @@ static void run_shape(Bufs& b, cublasHandle_t h, cudaStream_t s, int M, int N, i
 int main() {
   cudaStream_t s;
   CK(cudaStreamCreate(&s));
-  cublasHandle_t h = cublas_on(s);
-  CB(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH));
+  cublasHandle_t h = reference_cublas_on(s);
   Bufs b;
-  const size_t maxMN = size_t(16384) * 8192, maxNK = size_t(8192) * 8192, maxMK = size_t(16384) * 8192;
-  CK(cudaMalloc(&b.dz, maxMN * 4));
-  CK(cudaMalloc(&b.dzs, maxMN * 4));
-  CK(cudaMalloc(&b.w, maxNK * 4));
-  CK(cudaMalloc(&b.d, maxMK * 4));
-  CK(cudaMalloc(&b.d2, maxMK * 4));
-  CK(cudaMalloc(&b.zeros, 8192 * 4));
-  CK(cudaMemset(b.zeros, 0, 8192 * 4));
-  CK(cudaMalloc(&b.e_w, 8192 * 4));
-  CK(cudaMalloc(&b.dzd, maxMN * 8));
-  CK(cudaMalloc(&b.wd, maxNK * 8));
-  CK(cudaMalloc(&b.rd, maxMK * 8));
-  CK(cudaMalloc(&b.dz_split, epifuse::split_fp16_bytes(16384, 8192)));
-  CK(cudaMalloc(&b.w_split, epifuse::split_fp16_bytes(8192, 8192)));
-  CK(cudaMalloc(&b.w_parts, maxNK * 2 * sizeof(__half) + 4096));
-  CK(cudaMalloc(&b.ws, b.ws_bytes));
-  CK(cudaMalloc(&b.flush, b.flush_bytes));
   run_shape(b, h, s, 1024, 8192, 8192, 0, true, "p84 dX");
   run_shape(b, h, s, 16384, 4096, 4096, 0, true, "p39 dX");
   run_shape(b, h, s, 1024, 8192, 8192, 8, false, "p84 rows 2^+-8");

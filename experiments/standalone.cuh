@@ -37,6 +37,13 @@ inline cublasHandle_t cublas_on(cudaStream_t s) {
   CB(cublasSetStream(h, s));
   return h;
 }
+
+// The same in pedantic math mode: IEEE SGEMM and DGEMM, the references an error is measured against.
+inline cublasHandle_t reference_cublas_on(cudaStream_t s) {
+  cublasHandle_t h = cublas_on(s);
+  CB(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH));
+  return h;
+}
 #endif
 
 // A CUTLASS device GEMM (GemmUniversalAdapter) run once: exits with a message where its workspace
@@ -62,6 +69,14 @@ __device__ __forceinline__ float uniform(uint64_t i, uint64_t seed) {
   uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
   x ^= x >> 33; x *= 0xff51afd7ed558ccdull; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ull; x ^= x >> 33;
   return float(uint32_t(x) >> 8) * 0x1p-23f - 1.0f;
+}
+
+// n elements of T on the device (exits on failure).
+template <class T>
+T* device_buffer(size_t n) {
+  T* p;
+  CK(cudaMalloc(&p, n * sizeof(T)));
+  return p;
 }
 
 __global__ void fill_f32(int64_t n, float* p, uint64_t seed) {
@@ -93,6 +108,33 @@ float best_ms(cudaStream_t s, void* flush, size_t flush_bytes, F&& f) {
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
   return best;
+}
+
+// Mean ms of f() on stream s over about `seconds` of calls back to back, after as many untimed
+// ones: the time at the clock sustained load settles to. A card at its power cap runs slower there
+// than in best_ms's calls, each of which starts on a card that rested during the flush.
+template <class F>
+float sustained_ms(cudaStream_t s, F&& f, float seconds = 1.f) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  f();
+  CK(cudaEventRecord(e0, s));
+  f();
+  CK(cudaEventRecord(e1, s));
+  CK(cudaEventSynchronize(e1));
+  float ms;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  const int n = std::max(4, int(seconds * 1e3f / std::max(ms, 1e-3f)));
+  for (int i = 0; i < n; ++i) f();
+  CK(cudaEventRecord(e0, s));
+  for (int i = 0; i < n; ++i) f();
+  CK(cudaEventRecord(e1, s));
+  CK(cudaEventSynchronize(e1));
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return ms / n;
 }
 
 // p[i] = uniform(i, seed) * mul + add.

@@ -58,9 +58,32 @@ def gemm_events(prof) -> list:
                   key=lambda e: e.time_range.start)
 
 
+def _kernel_count(e) -> int:
+    """Kernels an op event and the ops inside it launched (what its device_time_total sums)."""
+    return len(e.kernels) + sum(_kernel_count(c) for c in e.cpu_children)
+
+
+def check_steps_alike(kernels: dict, steps: int) -> None:
+    """Raise RuntimeError unless each kind's op calls launched the same kernels in every profiled
+    step: ``kernels`` holds, per kind, each call's kernel count in order, ``steps`` steps of them.
+    A count that differs is kernels from outside the profiled steps attributed to one of their ops
+    (a profile that starts after an unprofiled step gave the first forward that step's kernels
+    too), which would time a kind wrong: measure() then reports nothing rather than that."""
+    for kind, counts in kernels.items():
+        if not counts:
+            continue
+        if len(counts) % steps:
+            raise RuntimeError(f"step_gemms: {len(counts)} {kind} GEMM calls in {steps} steps")
+        per_step = len(counts) // steps
+        if any(c != counts[i % per_step] for i, c in enumerate(counts)):
+            raise RuntimeError(f"step_gemms: the {kind} GEMM calls' kernel counts differ between "
+                               f"steps ({counts}): kernels from outside the profiled steps")
+
+
 def measure(step: Callable, pair, device: torch.device, steps: int = 3) -> Optional[dict]:
     """{kind: {"ms": GPU ms per step, "tflops": ...}} of ``steps`` calls of ``step(pair)`` (warmed
-    up), or None off CUDA or where the step ran no fused head."""
+    up), or None off CUDA or where the step ran no fused head; raises (check_steps_alike) where
+    the profile attributed kernels from outside its steps."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile, schedule
@@ -75,9 +98,12 @@ def measure(step: Callable, pair, device: torch.device, steps: int = 3) -> Optio
             torch.cuda.synchronize(device)
             prof.step()
     totals = {k: [0.0, 0.0] for k in KINDS}  # GPU us, flops
+    kernels: dict = {k: [] for k in KINDS}
     for kind, e in _kinds(gemm_events(prof)):
         totals[kind][0] += e.device_time_total
         totals[kind][1] += _product_flops(list(e.input_shapes[0]), list(e.input_shapes[1]))
+        kernels[kind].append(_kernel_count(e))
+    check_steps_alike(kernels, steps)
     if not totals["forward"][0]:
         return None
     return {k: {"ms": us / 1e3 / steps, "tflops": flops / (us * 1e-6) / 1e12 if us else None}

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import epifuse
 from benchmarks import report, step_gemms
-from benchmarks.real_heads import build_model
+from benchmarks.real_heads import DIMS, build_model
 
 
 def _gemm_calls(model, x):
@@ -52,3 +53,39 @@ def test_the_pages_table_of_step_gemms():
     assert cells[0] == ["problem 84 1024x8192->8192", "fp32-3xtf32", "0.7000", "200", "1.000",
                         "140", "70%", "0.8000", "175", "88%"]
     assert cells[1][0] == "projection batch 4096"
+
+
+def test_steps_alike_takes_each_heads_own_count():
+    # Two heads a step, each launching its own number of kernels, alike in every step.
+    step_gemms.check_steps_alike({"forward": [5, 3, 5, 3, 5, 3], "dx": [], "dw": [4, 4, 4]}, 3)
+
+
+def test_steps_alike_refuses_kernels_from_outside_the_steps():
+    # The bug it guards: a warm-up step's kernels attributed to the first profiled forward.
+    with pytest.raises(RuntimeError, match="forward GEMM calls' kernel counts differ"):
+        step_gemms.check_steps_alike({"forward": [10, 5, 5]}, 3)
+    with pytest.raises(RuntimeError, match="4 dw GEMM calls in 3 steps"):
+        step_gemms.check_steps_alike({"dw": [2, 2, 2, 2]}, 3)
+
+
+@pytest.mark.hopper
+def test_measure_times_each_gemm_of_a_fused_step():
+    # A fused two-head classifier's default-precision step on the GPU (3x GEMMs with their
+    # splits): each kind measured, no kernels from outside the profiled steps (measure raises
+    # where a profiled op's kernel count differs by step).
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = epifuse.fuse(build_model("classifier", DIMS["classifier"]).to(device), strict=True)[0]
+    x = torch.randn(1024, DIMS["classifier"][0], device=device, requires_grad=True)
+    g = torch.randn(1024, DIMS["classifier"][2], device=device)
+
+    def step(_):
+        x.grad = None
+        for p in model.parameters():
+            p.grad = None
+            torch.autograd.graph.increment_version(p)
+        model(x).backward(g)
+
+    gemms = step_gemms.measure(step, None, device)
+    assert gemms is not None and set(gemms) == set(step_gemms.KINDS)
+    assert all(v["ms"] > 0 and v["tflops"] > 0 for v in gemms.values())

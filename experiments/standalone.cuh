@@ -85,28 +85,34 @@ __global__ void fill_f32(int64_t n, float* p, uint64_t seed) {
     p[i] = uniform(i, seed);
 }
 
+// ms of one f() on stream s between two CUDA events.
+template <class F>
+float event_ms(cudaStream_t s, F&& f) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0, s));
+  f();
+  CK(cudaEventRecord(e1, s));
+  CK(cudaEventSynchronize(e1));
+  float ms;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaGetLastError());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return ms;
+}
+
 // Best of 20 CUDA-event timings of f() on stream s after 3 warm-ups, with flush_bytes of `flush`
 // overwritten before each timed call (outside the events) so that no operand stays in L2.
 template <class F>
 float best_ms(cudaStream_t s, void* flush, size_t flush_bytes, F&& f) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   for (int i = 0; i < 3; ++i) f();
   float best = 1e30f;
   for (int i = 0; i < 20; ++i) {
     CK(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s));
-    CK(cudaEventRecord(e0, s));
-    f();
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    best = std::min(best, ms);
+    best = std::min(best, event_ms(s, f));
   }
-  CK(cudaGetLastError());
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
   return best;
 }
 
@@ -115,26 +121,14 @@ float best_ms(cudaStream_t s, void* flush, size_t flush_bytes, F&& f) {
 // than in best_ms's calls, each of which starts on a card that rested during the flush.
 template <class F>
 float sustained_ms(cudaStream_t s, F&& f, float seconds = 1.f) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
   f();
-  CK(cudaEventRecord(e0, s));
-  f();
-  CK(cudaEventRecord(e1, s));
-  CK(cudaEventSynchronize(e1));
-  float ms;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  const int n = std::max(4, int(seconds * 1e3f / std::max(ms, 1e-3f)));
-  for (int i = 0; i < n; ++i) f();
-  CK(cudaEventRecord(e0, s));
-  for (int i = 0; i < n; ++i) f();
-  CK(cudaEventRecord(e1, s));
-  CK(cudaEventSynchronize(e1));
-  CK(cudaEventElapsedTime(&ms, e0, e1));
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  return ms / n;
+  const float one = event_ms(s, f);
+  const int n = std::max(4, int(seconds * 1e3f / std::max(one, 1e-3f)));
+  auto calls = [&] {
+    for (int i = 0; i < n; ++i) f();
+  };
+  calls();
+  return event_ms(s, calls) / n;
 }
 
 // p[i] = uniform(i, seed) * mul + add.

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,24 +153,43 @@ def unscheduled_gemms(fn, steps: int = 3) -> dict:
     return out
 
 
+class Clocks:
+    """nvidia-smi's SM clock, power draw and whether the software power cap holds the clocks
+    down, sampled every 20 ms while the ``with`` body runs (the first quarter dropped: the ramp);
+    ``summary`` says them after it."""
+    FIELDS = "clocks.sm,power.draw,clocks_event_reasons.sw_power_cap"
+
+    def __enter__(self):
+        idx = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        self.proc = subprocess.Popen(["nvidia-smi", "-i", idx, f"--query-gpu={self.FIELDS}",
+                                      "--format=csv,noheader,nounits", "-lms", "20"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        rows = [line.split(",") for line in self.proc.communicate()[0].strip().splitlines()]
+        rows = [r for r in rows if len(r) == 3]
+        rows = rows[len(rows) // 4:]
+        if not rows:
+            self.summary = "no clock samples"
+            return
+        mhz = [float(r[0]) for r in rows]
+        watts = [float(r[1]) for r in rows]
+        capped = sum("Active" in r[2] for r in rows)
+        self.summary = (f"SM {statistics.mean(mhz):.0f} MHz (min {min(mhz):.0f}), "
+                        f"{statistics.mean(watts):.0f} W, power cap active in {capped} of "
+                        f"{len(rows)} samples")
+
+
 def clocks(fn, seconds: float = 1.0) -> str:
-    """Mean SM clock (MHz) and power (W) while ``fn`` runs back to back for ``seconds``."""
-    idx = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-    proc = subprocess.Popen(["nvidia-smi", "-i", idx, "--query-gpu=clocks.sm,power.draw",
-                             "--format=csv,noheader,nounits", "-lms", "50"],
-                            stdout=subprocess.PIPE, text=True)
-    t0 = time.time()
-    while time.time() - t0 < seconds:
-        fn()
-        torch.cuda.synchronize()
-    proc.terminate()
-    out = proc.communicate()[0].strip().splitlines()
-    vals = [tuple(float(v) for v in line.split(",")) for line in out if line.count(",") == 1]
-    vals = vals[len(vals) // 4:]  # past the ramp
-    if not vals:
-        return "no samples"
-    return (f"SM {sum(v[0] for v in vals) / len(vals):.0f} MHz (min {min(v[0] for v in vals):.0f}),"
-            f" {sum(v[1] for v in vals) / len(vals):.0f} W")
+    """Clocks' summary while ``fn`` runs back to back for ``seconds``."""
+    with Clocks() as clk:
+        t0 = time.time()
+        while time.time() - t0 < seconds:
+            fn()
+            torch.cuda.synchronize()
+    return clk.summary
 
 
 def problem_model(number: int):

@@ -19,8 +19,8 @@ parameter's version bumped each step as an optimizer's update would, the step's 
                latency before the first kernel, and "alone" minus "idle 2 ms" the rest's effect;
 - busy wait:   as alone, but the host polls the end event instead of blocking in the driver.
 
-Each with nvidia-smi's SM clock, power draw and software-power-cap flag over it (``Clocks``), and
-the host's time to issue the forward and the whole step. Answer (H200): a fused step run back to
+Each with nvidia-smi's SM clock, power draw and software-power-cap flag over it
+(``step_kernels.Clocks``), and the host's time to issue the forward and the whole step. Answer (H200): a fused step run back to
 back draws the card's power cap and its clock falls 16-27%; eager's stays at 1980 MHz
 (docs/performance.md, "What bounds 4x eager").
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -42,6 +41,7 @@ import epifuse  # noqa: E402
 from epifuse import problems  # noqa: E402
 from benchmarks import timing  # noqa: E402
 from benchmarks.real_heads import BATCH, DIMS, build_model  # noqa: E402
+from step_kernels import Clocks  # noqa: E402 -- the nvidia-smi sampler, beside this file
 
 DEV = torch.device("cuda")
 
@@ -63,33 +63,6 @@ def make_step(model, x):
         out.backward(g)
         marks["step"] = time.perf_counter() - t0
     return step, marks
-
-
-class Clocks:
-    """nvidia-smi's SM clock, power draw and whether the software power cap holds the clocks
-    down, sampled every 20 ms while the ``with`` body runs (the first quarter dropped: the ramp)."""
-    FIELDS = "clocks.sm,power.draw,clocks_event_reasons.sw_power_cap"
-
-    def __enter__(self):
-        idx = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        self.proc = subprocess.Popen(["nvidia-smi", "-i", idx, f"--query-gpu={self.FIELDS}",
-                                      "--format=csv,noheader,nounits", "-lms", "20"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        return self
-
-    def __exit__(self, *exc):
-        self.proc.terminate()
-        rows = [line.split(",") for line in self.proc.communicate()[0].strip().splitlines()]
-        rows = [r for r in rows if len(r) == 3][len(rows) // 4:]
-        if not rows:
-            self.summary = "no clock samples"
-            return
-        mhz = [float(r[0]) for r in rows]
-        watts = [float(r[1]) for r in rows]
-        capped = sum("Active" in r[2] for r in rows)
-        self.summary = (f"SM {statistics.mean(mhz):.0f} MHz (min {min(mhz):.0f}), "
-                        f"{statistics.mean(watts):.0f} W, power cap active in {capped} of "
-                        f"{len(rows)} samples")
 
 
 def started(step, marks, mode: str, iters: int) -> tuple[float, float, float]:

@@ -13,8 +13,11 @@ section of BENCHMARKS.md in one run.
    forward, loss, backward, SGD / AdamW step; fp32-tf32, amp-bf16, amp-fp16 with GradScaler) at
    batches 256 to 4096, eager and fused, each also under torch.compile (default and
    reduce-overhead), and the host time of one head's forward and backward.
-4. Our row softmax against torch.softmax and the copy bandwidth.
-5. On a machine with 2 GPUs or more, data-parallel training steps (``benchmarks.distributed``);
+4. Small batches (``benchmarks.small_batch``): Barlow Twins' and MoCo v3's heads, two views per
+   step at 64-256 rows per view, default fp32, TF32 and bf16 autocast, eager, compile, fused and
+   compile of the fused model, with where the GPU time goes.
+5. Our row softmax against torch.softmax and the copy bandwidth.
+6. On a machine with 2 GPUs or more, data-parallel training steps (``benchmarks.distributed``);
    otherwise the page says it was not run.
 
 Prints an estimate of each section's time before it and its time after it, a table at the end,
@@ -38,7 +41,7 @@ import torch
 
 from epifuse import cli
 
-from . import distributed, loop, real_heads, report
+from . import distributed, loop, real_heads, report, small_batch
 from .cases import (DEFAULT_DTYPES, DEFAULT_PRECISIONS, DRY_SWEEP_M, DTYPES, MODES, SWEEP_M,
                     Runner, Shape, base_state, build_plan, describe, estimate_case_s, free_memory,
                     new_row, EST_FIRST_COMPILE_S)
@@ -98,6 +101,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--real-heads", action=argparse.BooleanOptionalAction, default=True,
                    help="the real heads (benchmarks.real_heads) in the selected dtypes and "
                         "modes (default on)")
+    p.add_argument("--small-batch", action=argparse.BooleanOptionalAction, default=True,
+                   help="the small-batch SSL heads (benchmarks.small_batch): settings "
+                        + ",".join(small_batch.SETTINGS) + ", whatever --dtype says")
     p.add_argument("--loop", action=argparse.BooleanOptionalAction, default=None,
                    help="the training loop (benchmarks.loop): optimizer steps of the real heads' "
                         "models at batches " + ",".join(map(str, loop.BATCHES)) + " in the "
@@ -206,6 +212,8 @@ def load_previous(path: str, env: dict, log) -> Optional[dict]:
                 "copy": (doc.get("copy_bandwidth") or {}).get("gbps") and doc["copy_bandwidth"],
                 "real_heads": {real_heads.row_key(r): r for r in doc.get("real_heads") or []},
                 "loop": {loop.row_key(r): r for r in doc.get("loop") or []},
+                "small_batch": {small_batch.row_key(r): r
+                                for r in doc.get("small_batch") or []},
                 "loop_host": {r["setting"]: r for r in doc.get("loop_host") or []},
                 "distributed": (doc.get("distributed") or {}).get("results") and doc[
                     "distributed"],
@@ -247,6 +255,7 @@ class Run:
         self.path = os.path.join(args.out, "bench.json")
         self.doc = {"complete": False, "env": env, "settings": settings_doc, "cases": [],
                     "host_time": [], "softmax": [], "copy_bandwidth": None, "real_heads": [],
+                    "small_batch": [],
                     "loop": [], "loop_host": [], "distributed": None}
         env["sections_s"] = {}
         self.done, self.total = 0, 0
@@ -296,6 +305,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     heads = (real_heads.plan(real_heads.MODELS, args.dtypes, real_heads.modes_for(args.modes),
                              dry=dry, compile=args.compile) if args.real_heads else [])
     settings = Settings(warmup=args.warmup, iters=args.iters, max_seconds=args.max_seconds)
+    small = (small_batch.plan(small_batch.MODELS, small_batch.SETTINGS,
+                              small_batch.DRY_BATCHES if dry else small_batch.BATCHES,
+                              small_batch.MODES, dry=dry, compile=args.compile)
+             if args.small_batch else [])
     want_loop = args.loop if args.loop is not None else (not dry or args.quick)
     loop_settings = loop.settings_for(args.dtypes) if want_loop else []
     loop_groups = loop.plan(loop.MODELS, loop_settings, loop.DRY_BATCHES if dry else loop.BATCHES,
@@ -311,7 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "modes": args.modes, "compile": args.compile, "sweep": args.sweep,
                     "sweep_m": args.sweep_m if args.sweep else None,
                     "softmax": args.softmax, "host_time": args.host_time,
-                    "real_heads": args.real_heads, "loop": want_loop, "distributed": want_dist}
+                    "real_heads": args.real_heads, "small_batch": args.small_batch,
+                    "loop": want_loop, "distributed": want_dist}
     print(f"benchmarks: {env['gpu']} | torch {env['torch']} | CUDA {env['cuda']}", flush=True)
     if dry:
         print("benchmarks: --device cpu is a DRY RUN at tiny sizes; its timings only test the "
@@ -333,7 +347,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     dist_problems = [p for p in args.problems if p in distributed.PROBLEMS]
     dist_dtypes = [d for d in distributed.DEFAULT_DTYPES]
     run.total = (len(plan.cases) + len(plan.host_points) + len(plan.softmax_points)
-                 + bool(plan.softmax_points) + len(heads) + len(loop_groups) + len(loop_host)
+                 + bool(plan.softmax_points) + len(heads) + len(small) + len(loop_groups)
+                 + len(loop_host)
                  + bool(want_dist))
     first_compile = EST_FIRST_COMPILE_S if args.compile and not dry else 0.0
     estimates = {
@@ -341,6 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "host_time": 0.5 * len(plan.host_points),
         "softmax": (0.05 if dry else 0.5) * len(plan.softmax_points),
         "real_heads": sum(real_heads.estimate_s(c, settings, dry) for c in heads),
+        "small_batch": small_batch.estimate_s(small, dry),
         "loop": loop.estimate_s(loop_groups, settings, dry, loop_host),
         "distributed": distributed.estimate_s(dist_problems, dist_dtypes, distributed.WARMUP,
                                               distributed.ITERS, "cpu" if dry else "cuda")
@@ -429,6 +445,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             run.save()
             free_memory(device)
 
+    def small_batch_section() -> None:
+        for group in small:
+            run.step(f"small batches {group.label}")
+            keys = [(group.model, group.batch, group.spec.name, m) for m in group.modes]
+            old = [run.reused("small_batch", k) for k in keys]
+            if all(old):
+                rows = old
+            else:
+                try:
+                    rows = small_batch.run_group(group, device, settings)
+                except Exception as e:  # noqa: BLE001 -- rows of failures, the run goes on
+                    rows = [small_batch.failed_row(group, m, e) for m in group.modes]
+            for row in rows:
+                doc["small_batch"].append(row)
+                log(small_batch.summary(row) + (" (reused)" if all(old) else ""))
+            run.save()
+            free_memory(device)
+
     def loop_section() -> None:
         for group in loop_groups:
             run.step(f"training loop {group.label}")
@@ -475,6 +509,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     run.section("kernelbench", len(plan.cases), estimates["kernelbench"], kernelbench)
     run.section("host_time", len(plan.host_points), estimates["host_time"], host_time)
     run.section("real_heads", len(heads), estimates["real_heads"], heads_section)
+    run.section("small_batch", len(small), estimates["small_batch"], small_batch_section)
     run.section("loop", len(loop_groups) + len(loop_host), estimates["loop"], loop_section)
     run.section("softmax", len(plan.softmax_points), estimates["softmax"], softmax)
     if want_dist:
@@ -501,7 +536,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\nwrote: {', '.join(written)} ({env['elapsed_s']:.0f} s)")
     measured = (any(r["timings_ms"] for r in doc["cases"] + doc["softmax"])
                 or any(h["timings_us"] for h in doc["host_time"])
-                or any(r["timings_ms"] for r in doc["real_heads"])
+                or any(r["timings_ms"] for r in doc["real_heads"] + doc["small_batch"])
                 or any(loop_timed(r) for r in doc["loop"]))
     return 0 if measured or not (doc["cases"] or doc["softmax"] or doc["real_heads"]
                                  or doc["loop"]) else 1
@@ -535,6 +570,12 @@ def _keep_previous(doc: dict, prev: dict) -> None:
         real_heads.MODELS.index(r["model"]) if r["model"] in real_heads.MODELS else 9,
         order.get(r["dtype"], 99), real_heads.MODES.index(r["mode"])
         if r["mode"] in real_heads.MODES else 9))
+    have = {small_batch.row_key(r) for r in doc["small_batch"]}
+    doc["small_batch"] += [r for k, r in prev["small_batch"].items() if k not in have]
+    doc["small_batch"].sort(key=lambda r: (
+        small_batch.MODELS.index(r["model"]) if r["model"] in small_batch.MODELS else 9,
+        small_batch.SETTINGS.index(r["setting"]) if r["setting"] in small_batch.SETTINGS else 9,
+        r["batch"], small_batch.MODES.index(r["mode"]) if r["mode"] in small_batch.MODES else 9))
     have = {loop.row_key(r) for r in doc["loop"]}
     doc["loop"] += [r for k, r in prev["loop"].items() if k not in have]
     doc["loop"].sort(key=lambda r: (

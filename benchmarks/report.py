@@ -31,9 +31,11 @@ from . import step_gemms
 from .cases import DTYPES, PROBLEM_NAMES, SWEEP_PROBLEM, TRAIN_STEP
 
 PAGE_MAX_LINES = 260  # BENCHMARKS.md: a page, not a log (the training loop's 36 rows included)
-SECTIONS = ("kernelbench", "host_time", "softmax", "real_heads", "loop", "distributed")
+SECTIONS = ("kernelbench", "host_time", "softmax", "real_heads", "small_batch", "loop",
+            "distributed")
 SECTION_NAMES = {"kernelbench": "KernelBench", "host_time": "host time", "softmax": "softmax",
-                 "real_heads": "real heads", "loop": "training loop", "distributed": "2-GPU"}
+                 "real_heads": "real heads", "small_batch": "small batches",
+                 "loop": "training loop", "distributed": "2-GPU"}
 
 # --------------------------------------------------------------------------- rows and cells
 
@@ -411,6 +413,111 @@ def real_heads_markdown(env: dict, rows: Sequence[dict]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# --------------------------------------------------------------------------- small batches
+
+SMALL_BATCH_TITLE = ("Small batches: SSL heads, two views per step (ms per step; GPU ms and where "
+                     "it goes)")
+SMALL_BATCH_MODES = {"head": "head", "sgd": "+ SGD"}
+
+
+def _sb_cell(r: dict, impl: str, notes: Notes, key: str = "timings_ms") -> str:
+    t = (r.get(key) or {}).get(impl)
+    if t is None:
+        return "-"
+    if "error" in t:
+        return "n/a " + notes.ref(f"{r['model']} {r['batch']} {r['setting']} {r['mode']}, "
+                                  f"{impl}: {t['error']}")
+    return fmt_ms(t["median_ms"])
+
+
+def _sb_ratio(r: dict, base: str, ours: str, key: str = "timings_ms") -> Optional[float]:
+    def one(impl):
+        t = (r.get(key) or {}).get(impl) or {}
+        return t.get("median_ms")
+    a, b = one(base), one(ours)
+    return a / b if a and b else None
+
+
+def _sb_breakdown(r: dict, impl: str) -> str:
+    g = (r.get("gpu_ms") or {}).get(impl)
+    if not g:
+        return "-"
+    return " / ".join(fmt_ms(g.get(k)) for k in ("gemm", "operands", "other"))
+
+
+def _sb_peaks(r: dict) -> str:
+    pk = r.get("peak_mib") or {}
+    fused, eager = pk.get("fused"), pk.get("eager")
+    if fused is None or eager is None:
+        return "-"
+    return f"{fmt_mib(fused)} / {fmt_mib(eager)} ({fused / eager:.2f})" if eager else "-"
+
+
+def _sb_path(r: dict, notes: Notes) -> str:
+    back = [(i, p["reason"]) for i, p in (r.get("path") or {}).items() if p.get("reason")]
+    return f"{len(r.get('fused') or [])}" + "".join(
+        " " + notes.ref(f"{r['model']} {r['setting']}, {i} fell back: {why}") for i, why in back)
+
+
+def _small_batch_table(rows: Sequence[dict], notes: Notes) -> tuple[list, list, int]:
+    cells = []
+    for r in rows:
+        times = " / ".join(_sb_cell(r, i, notes) for i in ("eager", "compile", "fused",
+                                                            "compile_fused"))
+        gpu = " / ".join(_sb_cell(r, i, notes, "queued_ms") for i in ("eager", "fused"))
+        cells.append([r["model"], str(r["batch"]), r["setting"],
+                      SMALL_BATCH_MODES.get(r["mode"], r["mode"]), _sb_path(r, notes), times,
+                      fmt_x(_sb_ratio(r, "eager", "fused")),
+                      fmt_x(_sb_ratio(r, "compile", "fused")),
+                      fmt_x(_sb_ratio(r, "compile", "compile_fused")), gpu,
+                      _sb_breakdown(r, "fused") + " | " + _sb_breakdown(r, "eager"),
+                      _sb_peaks(r)])
+    return (["head", "rows/view", "setting", "step", "fused heads",
+             "ms eager / compile / fused / compile(fused)", "fused vs eager",
+             "fused vs compile", "compile(fused) vs compile", "GPU ms eager / fused",
+             "GPU ms GEMM / operands / other: fused | eager", "peak MiB fused / eager"], cells, 5)
+
+
+def small_batch_legend(rows: Sequence[dict]) -> str:
+    dims = {r["model"]: r.get("dims") for r in rows if r.get("dims")}
+    models = []
+    if "barlow_twins" in dims:
+        d_in, h, d_out = dims["barlow_twins"]
+        models.append(f"barlow_twins = Barlow Twins' projector, Linear({d_in}, {h}) -> BN -> ReLU "
+                      f"-> Linear({h}, {h}) -> BN -> ReLU -> Linear({h}, {d_out})")
+    if "moco_v3" in dims:
+        d_in, h, d_out = dims["moco_v3"]
+        models.append(f"moco_v3 = MoCo v3's projector Linear({d_in}, {h}) -> BN -> ReLU -> "
+                      f"Linear({h}, {h}) -> BN -> ReLU -> Linear({h}, {d_out}) -> "
+                      f"BatchNorm1d({d_out}, affine=False) and predictor Linear({d_out}, {h}) -> "
+                      f"BN -> ReLU -> Linear({h}, {d_out})")
+    return ("Small batches (`python -m benchmarks.small_batch`): " + "; ".join(models)
+            + "; every Linear without bias. One step = both views through the head (two calls, "
+            "in one autocast region for amp-bf16), -cosine_similarity(z1, z2).mean(), backward; "
+            "'head': the parameters' versions bumped as an optimizer's update would, no "
+            "optimizer; '+ SGD': SGD(momentum=0.9, fused) steps. ms per step queued back to back "
+            "(a host slower than its GPU counts); GPU ms: the same steps with the host ahead. "
+            "Where the GPU time goes: one profiled run of 3 steps, kernels by name (operands = "
+            "the 3x splits, 16-bit casts and operand copies; other = BatchNorm, activations, "
+            "the loss, reductions, the optimizer). 'fused heads' = chains `epifuse.fuse` fused "
+            "(plain Linears stay on PyTorch); a footnote marks a step that did not run them. "
+            "peak MiB: one step's peak above what was allocated before it. torch.compile "
+            "only at the batches the row shows ('-' elsewhere).")
+
+
+def small_batch_markdown(doc: dict) -> str:
+    """``python -m benchmarks.small_batch``' own page: its table alone."""
+    notes, env = Notes(), doc.get("env") or {}
+    rows = doc.get("small_batch") or []
+    headers, cells, left = _small_batch_table(rows, notes)
+    lines = [f"## {SMALL_BATCH_TITLE}", "", f"- GPU: {env.get('gpu')}; PyTorch {env.get('torch')}",
+             "- `python -m benchmarks.small_batch`", "", table(headers, cells, left, True), ""]
+    lines += [f"[{i + 1}] {t}  " for i, t in enumerate(notes.items)]
+    if rows:
+        lines += ["", small_batch_legend(rows)]
+    return "\n".join(lines).rstrip() + "\n"
+
+
 # --------------------------------------------------------------------------- training loop
 
 LOOP_OPTIMIZERS = {"sgd": "SGD", "adamw": "AdamW"}
@@ -656,6 +763,8 @@ def tables(doc: dict) -> tuple[list[tuple], Notes]:
         out.append((f"M sweep, problem {SWEEP_PROBLEM}", *_model_table(sweep, notes, False)))
     if doc.get("real_heads"):
         out.append((REAL_HEADS_TITLE, *_real_heads_table(doc["real_heads"], notes)))
+    if doc.get("small_batch"):
+        out.append((SMALL_BATCH_TITLE, *_small_batch_table(doc["small_batch"], notes)))
     out += loop_tables(doc, notes)
     if doc.get("softmax"):
         copy, title = doc.get("copy_bandwidth"), SOFTMAX_TITLE
@@ -805,6 +914,8 @@ def legend(doc: dict) -> list[str]:
                    "its heads. 'of forward's' = the GEMM's TFLOP/s / the forward GEMM's.")
     if heads:
         out.append(real_heads_legend(heads))
+    if doc.get("small_batch"):
+        out.append(small_batch_legend(doc["small_batch"]))
     if doc.get("loop") or doc.get("loop_host"):
         out.append(loop_legend(doc))
     if doc.get("softmax"):

@@ -25,6 +25,7 @@ DebugSwitches DebugSwitches::from_environment() {
   s.tf32_k_major_copies = !equals("EPIFUSE_TF32_K_MAJOR_COPIES", "0");
   s.fp16_product = !equals("EPIFUSE_FP16_PRODUCT", "0");
   s.split_wide_tiles = !equals("EPIFUSE_SPLIT_WIDE_TILES", "0");
+  s.step_operands = !equals("EPIFUSE_STEP_OPERANDS", "0");
   return s;
 }
 
@@ -32,5 +33,7 @@ const DebugSwitches& debug_switches() {
   static const DebugSwitches switches = DebugSwitches::from_environment();
   return switches;
 }
+
+bool step_operands_shared() { return debug_switches().step_operands; }
 
 }  // namespace epifuse

@@ -1,7 +1,7 @@
 // The library's debug switches: the environment variables that force a path the GEMM heuristics
 // would not take, so that tests can cover it on any machine and benchmarks can measure it against
 // the default. Nothing else in cpp/ reads the environment; every reader goes through
-// debug_switches(), which reads all six once, at its first call (a thread-safe static), so a
+// debug_switches(), which reads all seven once, at its first call (a thread-safe static), so a
 // process sets them before its first GEMM (experiments/gemm_precision.py runs a child per setting).
 //
 // Unset, every switch leaves the default path. A value other than the ones named below (e.g.
@@ -49,6 +49,12 @@ struct DebugSwitches {
   // 64 x 64 tiles of 16-byte vectors (split_fp16.cu). Exists to measure the two against each
   // other. Only "0" turns the wide tiles off.
   bool split_wide_tiles = true;
+
+  // EPIFUSE_STEP_OPERANDS=0: the forwards of a training step make their weight's operands (3x
+  // split, 16-bit cast) each for itself, instead of sharing one per weight version across the
+  // step's forwards (cpp/ops/weight_split_cache.h). Exists to measure the sharing
+  // (benchmarks.small_batch). Only "0" turns the sharing off.
+  bool step_operands = true;
 
   // The switches as the process environment sets them now.
   static DebugSwitches from_environment();

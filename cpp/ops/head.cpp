@@ -136,8 +136,12 @@ void check_settings(const Tensor& x, const HeadConfig& cfg) {
 }  // namespace
 
 // x and W as the GEMMs read them: cast to cfg.gemm_dtype (autocast), or as they are; the weight's
-// cast kept while the weight is unchanged in forwards without a backward (an eval model casts it
-// once, as the 3x split is kept).
+// cast kept as its 3x split is (keep_policy: an eval model casts it once, a training step once
+// for all its forwards).
+static KeepPolicy keep_policy(const HeadConfig& cfg) {
+  return cfg.for_backward ? KeepPolicy::kStep : KeepPolicy::kRepeated;
+}
+
 Tensor gemm_input(const Tensor& x, const HeadConfig& cfg) {
   if (!cfg.gemm_dtype || x.scalar_type() == *cfg.gemm_dtype) return x;
   return to_gemm_dtype(x, *cfg.gemm_dtype);
@@ -145,7 +149,7 @@ Tensor gemm_input(const Tensor& x, const HeadConfig& cfg) {
 
 Tensor gemm_weight(const Tensor& w, const HeadConfig& cfg) {
   if (!cfg.gemm_dtype || w.scalar_type() == *cfg.gemm_dtype) return w;
-  const WeightOperandsKept keep(!cfg.for_backward);  // kept for a forward without a backward only
+  const WeightOperandsKept keep(keep_policy(cfg));
   return kept_weight_cast(w, *cfg.gemm_dtype);
 }
 
@@ -159,9 +163,10 @@ Tensor7 fused_head_forward(const Tensor& x, const Tensor& weight, const OptTenso
                            const Tensor& gamma, const Tensor& beta, const Tensor& scale,
                            const Tensor& running_mean, const Tensor& running_var,
                            const OptTensor& num_batches_tracked, const HeadConfig& cfg) {
-  // The weight's 3x split (and 16-bit cast) kept only where no backward follows: eval and no_grad
-  // forwards, which see the same weight again; a training step keeps nothing (weight_split_cache.h).
-  const WeightOperandsKept keep(!cfg.for_backward);
+  // The weight's 3x split (and 16-bit cast): kept while unchanged where no backward follows (eval
+  // and no_grad forwards see the same weight again), shared by a training step's forwards until
+  // its backward starts (weight_split_cache.h).
+  const WeightOperandsKept keep(keep_policy(cfg));
   check_settings(x, cfg);
   // Under autocast the autograd kernel hands over x and W already cast (and keeps them for the
   // backward); a direct call casts here.

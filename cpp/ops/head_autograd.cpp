@@ -19,6 +19,7 @@
 
 #include "dispatch.h"
 #include "head.h"
+#include "weight_split_cache.h"
 
 namespace epifuse {
 
@@ -122,6 +123,9 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
   // and holds no other reference), so the usual backward below can free the output's gradient.
   static variable_list backward(AutogradContext* ctx, variable_list& grads) {
     variable_list result(kForwardArgs);
+    // The step's forwards are over: the weight operands they shared go (weight_split_cache.h), so
+    // that the backward's peak holds none of them.
+    release_step_operands();
     if (!grads[0].defined()) return result;
     const SavedTensors s = SavedTensors::from_list(ctx->get_saved_variables());
     HeadConfig cfg = load_head_config(ctx);

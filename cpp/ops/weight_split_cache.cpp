@@ -16,17 +16,21 @@
 #include <vector>
 
 namespace epifuse {
+
+// EPIFUSE_STEP_OPERANDS (debug_switches.cu, the one reader of the environment).
+bool step_operands_shared();
+
 namespace {
 
-thread_local bool operands_kept = true;
+thread_local KeepPolicy keep_policy = KeepPolicy::kRepeated;
 
 }  // namespace
 
-WeightOperandsKept::WeightOperandsKept(bool allowed) : saved_(operands_kept) {
-  operands_kept = allowed;
+WeightOperandsKept::WeightOperandsKept(KeepPolicy policy) : saved_(keep_policy) {
+  keep_policy = policy;
 }
-WeightOperandsKept::~WeightOperandsKept() { operands_kept = saved_; }
-bool WeightOperandsKept::allowed() { return operands_kept; }
+WeightOperandsKept::~WeightOperandsKept() { keep_policy = saved_; }
+KeepPolicy WeightOperandsKept::policy() { return keep_policy; }
 
 namespace {
 
@@ -47,7 +51,8 @@ struct Entry {
   std::vector<int64_t> sizes, strides;
   uint32_t version;
   int kind;
-  at::Tensor value;              // undefined until two calls in a row saw `version`
+  KeepPolicy policy = KeepPolicy::kRepeated;  // of the call that made value
+  at::Tensor value;  // kRepeated: undefined until two calls in a row saw `version`
   cudaStream_t made_on = nullptr;
   std::shared_ptr<CUevent_st> ready;  // recorded on made_on after value was written
 };
@@ -73,16 +78,28 @@ bool capturing(cudaStream_t stream) {
          status != cudaStreamCaptureStatusNone;
 }
 
+std::mutex& entries_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::vector<Entry>& entries_list() {
+  static std::vector<Entry> entries;
+  return entries;
+}
+
 // The kept operand of kind `kind` for w, made by make() on `stream` when first worth keeping;
-// undefined when not kept (first sight, or w written since the last call).
+// undefined when not kept (kRepeated: first sight, or w written since the last call).
 at::Tensor kept(const at::Tensor& w, int kind, cudaStream_t stream,
                 const std::function<at::Tensor()>& make) {
+  const KeepPolicy policy = WeightOperandsKept::policy();
   // An inference tensor (made under torch.inference_mode) has no version counter to tell whether
   // it was written since: never kept, made at each call.
-  if (!WeightOperandsKept::allowed() || capturing(stream) || w.is_inference()) return {};
-  static std::mutex mutex;
-  static std::vector<Entry> entries;
-  const std::lock_guard<std::mutex> lock(mutex);
+  if ((policy == KeepPolicy::kStep && !step_operands_shared()) || capturing(stream) ||
+      w.is_inference()) {
+    return {};
+  }
+  const std::lock_guard<std::mutex> lock(entries_mutex());
+  std::vector<Entry>& entries = entries_list();
   entries.erase(std::remove_if(entries.begin(), entries.end(),
                                [](const Entry& e) { return e.storage.expired(); }),
                 entries.end());
@@ -91,18 +108,20 @@ at::Tensor kept(const at::Tensor& w, int kind, cudaStream_t stream,
   auto it = std::find_if(entries.begin(), entries.end(), [&](const Entry& e) {
     return e.storage._unsafe_get_target() == storage && e.kind == kind && same_view(e, w);
   });
-  if (it == entries.end()) {  // first sight: remember the version, make it in place this time
+  const bool step = policy == KeepPolicy::kStep;
+  if (it == entries.end()) {  // first sight: remember the version (kRepeated: make it in place)
     if (entries.size() == kMaxEntries) entries.erase(entries.begin());
     entries.emplace_back(storage, w, kind);
-    return {};
-  }
-  if (it->version != version) {  // written since: a weight in training, not worth keeping
+    if (!step) return {};
+    it = entries.end() - 1;
+  } else if (it->version != version) {  // written since
     it->version = version;
     it->value = at::Tensor();
-    return {};
+    if (!step) return {};  // a weight in training: not worth keeping between calls
   }
   if (!it->value.defined()) {
     it->value = make();
+    it->policy = policy;
     it->made_on = stream;
     if (!it->ready) it->ready = new_event();
     cudaEventRecord(it->ready.get(), stream);
@@ -116,6 +135,13 @@ at::Tensor kept(const at::Tensor& w, int kind, cudaStream_t stream,
 }
 
 }  // namespace
+
+void release_step_operands() {
+  const std::lock_guard<std::mutex> lock(entries_mutex());
+  for (Entry& e : entries_list()) {
+    if (e.policy == KeepPolicy::kStep) e.value = at::Tensor();
+  }
+}
 
 at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaStream_t stream) {
   return kept(w, kSplit, stream, [&] {

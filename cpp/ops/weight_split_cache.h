@@ -23,10 +23,21 @@
 // Under CUDA graph capture nothing is cached or returned: a captured GEMM makes its operand inside
 // the graph, so its replays see the weight as it is then.
 // An inference tensor (torch.inference_mode) has no version counter: its operands are never kept.
-// Only a forward that feeds no backward keeps (eval, torch.no_grad: fused_head opens a
-// WeightOperandsKept scope for it): a training step's weight changes every step, and a weight that
-// does not (frozen layers, linear probing) would hold its operand beside the step's own memory, so
-// training keeps nothing and stays at eager's resident memory (problem 84's split: 256 MiB).
+// Two policies, by what the forward feeds (fused_head opens a WeightOperandsKept scope):
+//   - kRepeated, a forward that feeds no backward (eval, torch.no_grad): kept from the second call
+//     in a row that sees the same version, until the weight changes (an eval model splits or
+//     casts its weights once);
+//   - kStep, a forward that feeds a backward (training): shared by the step's forwards, kept from
+//     the first call that sees a version until the first backward of any head starts
+//     (release_step_operands). A step that runs two views through a head (SSL heads: each view a
+//     call) splits or casts each weight once instead of once per view, as eager's autocast casts
+//     it once per region. The backward frees them so that a step's peak, which is in its backward
+//     (the weights' gradients), stays at eager's: a step's forwards hold one operand per weight
+//     (a split: the weight's bytes; a cast: half of them) beside their activations, below the
+//     gradients the backward then allocates. The backward's own products never keep (below). A
+//     training forward never followed by a backward leaves its operands kept until the weight
+//     changes or a backward runs: one per weight, at most kMaxEntries.
+// EPIFUSE_STEP_OPERANDS=0 turns kStep into "keep nothing" (the behaviour before the sharing).
 // A write the version counter does not see (through `weight.data`, or from outside PyTorch) leaves
 // a kept operand stale, as it would leave any version-keyed cache: write a weight in place through
 // the parameter itself (under torch.no_grad(), as optimizers and load_state_dict do), which bumps
@@ -40,19 +51,24 @@
 
 namespace epifuse {
 
-// Whether calls on this thread may keep operands: true by default (a direct op call); a scope sets
+// When calls on this thread keep operands: kRepeated by default (a direct op call); a scope sets
 // it for the calls inside it and restores it after.
+enum class KeepPolicy { kRepeated, kStep };
+
 class WeightOperandsKept {
  public:
-  explicit WeightOperandsKept(bool allowed);
+  explicit WeightOperandsKept(KeepPolicy policy);
   ~WeightOperandsKept();
   WeightOperandsKept(const WeightOperandsKept&) = delete;
   WeightOperandsKept& operator=(const WeightOperandsKept&) = delete;
-  static bool allowed();
+  static KeepPolicy policy();
 
  private:
-  bool saved_;
+  KeepPolicy saved_;
 };
+
+// Drops the operands kept for a step's forwards (kStep); a backward calls it as it starts.
+void release_step_operands();
 
 // The split of p's weight (p.w, viewed through `w`) if it is worth keeping: a defined uint8 tensor
 // of split_weight_bytes(p) bytes; undefined otherwise (the GEMM then splits into its workspace).

@@ -210,3 +210,68 @@ def test_training_steps_see_every_weight_and_input_update():
                 x_new.copy_(batch)
     finally:
         torch.set_float32_matmul_precision(saved)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["3xtf32", "bf16"])
+def test_a_steps_views_share_the_weight_operand(autocast):
+    """Two views through one fused head in a training step (SSL heads call it once per view): the
+    second forward reads the first's split (default precision) or 16-bit cast (autocast) of the
+    weight instead of making its own, the backward releases it, and a weight written between the
+    views (its version bumped) is split again. Outputs and gradients as eager's, every step."""
+    import copy
+
+    from torch import nn
+
+    import epifuse
+    from helpers import launches
+
+    torch.manual_seed(0)
+    # MoCo v3's first projector layer at 128 rows per view: a product that runs the 3x GEMM on
+    # split operands (a smaller one runs cuBLAS's SGEMM, which splits nothing)
+    ref = nn.Sequential(nn.Linear(2048, 4096, bias=False), nn.BatchNorm1d(4096), nn.ReLU())
+    ref = ref.to(CUDA)
+    new = copy.deepcopy(ref)
+    _, report = epifuse.fuse(new, strict=True)
+    assert len(report.fused) == 1
+    kernel = "split_fp16" if autocast is None else "narrowing_cast"
+    g = torch.Generator(device=CUDA).manual_seed(3)
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for step in range(3):
+            x1, x2 = (torch.rand(128, 2048, device=CUDA, generator=g) for _ in range(2))
+            grads = []
+            for model in (ref, new):
+                model.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=autocast or torch.bfloat16,
+                                    enabled=autocast is not None):
+                    count = {}
+                    y1 = y2 = None
+
+                    def first():
+                        nonlocal y1
+                        y1 = model(x1)
+                    count["first"] = launches(first, kernel)
+
+                    def second():
+                        nonlocal y2
+                        y2 = model(x2)
+                    count["second"] = launches(second, kernel)
+                    # the weight written in between: the third forward must not reuse
+                    with torch.no_grad():
+                        model[0].weight.mul_(1.0)
+                    count["after_write"] = launches(lambda: model(x1), kernel)
+                loss = (y1.float() * y2.float()).sum()
+                loss.backward()
+                grads.append((y1.detach().float(), y2.detach().float(),
+                              model[0].weight.grad.clone()))
+                if model is new:
+                    assert count["first"] >= 1, count  # the weight's operand made
+                    assert count["second"] == 0, count  # the first view's operand, read again
+                    assert count["after_write"] >= 1, count  # a new version: made again
+            (a1, a2, dw_ref), (b1, b2, dw_new) = grads
+            tol = 1e-5 if autocast is None else 2e-2
+            assert rel_err(b1, a1) <= tol and rel_err(b2, a2) <= tol, step
+            assert rel_err(dw_new, dw_ref) <= (1e-4 if autocast is None else 2e-2), step
+    finally:
+        torch.set_float32_matmul_precision(saved)

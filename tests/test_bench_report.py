@@ -168,7 +168,8 @@ def test_bench_runs_on_a_machine_without_gpu(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--no-compile", "--no-softmax",
-         "--no-real-heads", "--problem", "39", "--dtype", "bfloat16", "--mode", "eval",
+         "--no-real-heads", "--no-small-batch", "--problem", "39", "--dtype", "bfloat16",
+         "--mode", "eval",
          "--iters", "2", "--warmup", "0", "--max-seconds", "0.01", "--out", str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -423,5 +423,5 @@ def test_bench_sh_dry_run_writes_the_whole_page(tmp_path):
     assert "Not run: CPU dry run" in md
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert doc["complete"] and set(doc["env"]["sections_s"]) == {
-        "kernelbench", "real_heads", "loop", "softmax"}
+        "kernelbench", "real_heads", "small_batch", "loop", "softmax"}
     assert len(doc["loop"]) == 2 * 2 * 2 * 2 and len(doc["loop_host"]) == 2

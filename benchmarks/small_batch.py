@@ -66,7 +66,7 @@ import epifuse
 
 from . import timing
 from .cases import DTYPES, DTypeSpec, compile_model, describe, free_memory
-from .loop import check_path, make_optimizer
+from .loop import _timings, check_path, make_optimizer
 
 MODELS = ("barlow_twins", "moco_v3")
 DIMS = {"barlow_twins": (2048, 8192, 8192), "moco_v3": (2048, 4096, 256)}  # in, hidden, out
@@ -225,12 +225,6 @@ def build_models(group: SmallBatchGroup, device: torch.device) -> tuple[dict, li
             skipped = [f"{s.where}: {s.reason}" for s in rep.skipped]
         models[impl] = (model, model if impl == "fused" else compile_model(model, device))
     return models, fused, skipped
-
-
-def _timings(results: dict) -> dict:
-    return {k: ({"error": describe(v)} if isinstance(v, Exception)
-                else timing.to_dict(v) if not isinstance(v, dict) else v)
-            for k, v in results.items()}
 
 
 def run_group(group: SmallBatchGroup, device: torch.device, settings: timing.Settings,

@@ -93,6 +93,61 @@ def per_op(device: torch.device, batch: int) -> None:
             print(f"{t['median_us']:8.1f} {t['min_us']:8.1f}  {name}")
 
 
+def split(device: torch.device, batch: int, settings: list[str]) -> None:
+    """Where a fused head's host time goes, layer by layer: the Python decision alone
+    (fast_path_reason), the op called from Python with its arguments prepared (fused_head, the
+    forward; fused_head_backward, the backward without the autograd engine), beside the module's
+    whole forward and the engine's backward."""
+    from epifuse.fusion import HEADS_ATTR
+    from epifuse.head import _bn_defaults, _parts
+
+    dims = (2048, 4096, 256)
+    for name in settings:
+        spec = DTYPES[name]
+        torch.manual_seed(0)
+        model = nn.Sequential(*list(build_model("projection", dims, bias=False))[:3]).to(device)
+        epifuse.fuse(model, precision=spec.precision, strict=True)
+        head = getattr(model, HEADS_ATTR)[0]
+        x = torch.rand(batch, dims[0], device=device).requires_grad_()
+        g = torch.randn(batch, dims[1], device=device)
+        config = epifuse.head.HeadConfig(
+            precision=epifuse.precision.resolve_precision(head.precision, x.dtype),
+            activation=head.activation, has_scale=head.has_scale)
+        kw = config.kwargs()
+        p = _bn_defaults(_parts(head))
+        op = torch.ops.epifuse.fused_head.default
+        args = (x, p.weight, p.bias, p.gamma, p.beta, p.scale, p.running_mean, p.running_var,
+                p.num_batches_tracked)
+        with spec.context(), spec.amp("cuda"):
+            outs = op(*args, **kw)
+            out, z, colsum, colsumsq, moments, a, c = outs
+            needs = [True, True, False, True, True, False]
+            bkw = dict(kw, training=True, grad_x_dtype=x.dtype)
+            operands = x.detach().to(z.dtype), p.weight.detach().to(z.dtype)
+            bargs = (g.to(out.dtype), *operands, None, p.gamma, p.beta, p.scale, z, None, colsum,
+                     colsumsq, moments, needs, a, c)
+            calls = {
+                "module forward (fused)": lambda: head(x),
+                "fast_path_reason": lambda: epifuse.head.fast_path_reason(head, x),
+                "HeadConfig + kwargs()": lambda: epifuse.head.HeadConfig(
+                    precision="tf32", training=True, activation="relu", momentum=0.1,
+                    eps=1e-5, has_scale=False, for_backward=True).kwargs(),
+                "fused_head op from Python": lambda: op(*args, **kw),
+                "fused_head_backward op (no grad)": lambda: _no_grad(
+                    torch.ops.epifuse.fused_head_backward.default, bargs, bkw),
+                "forward + engine backward": lambda: head(x).backward(g),
+            }
+            print(f"\n=== split, {name}, batch {batch}: host us (median / min)")
+            for what, fn in calls.items():
+                t = timing.measure_host_checked(fn, device, calls=CALLS)
+                print(f"{t['median_us']:8.1f} {t['min_us']:8.1f}  {what}")
+
+
+def _no_grad(op, args, kwargs):
+    with torch.no_grad():
+        return op(*args, **kwargs)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--settings", nargs="*", default=["fp32-tf32", "amp-bf16", "fp32-3xtf32"])
@@ -100,10 +155,14 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--out", default=None, help="folder for Chrome traces (none: no traces)")
     p.add_argument("--per-op", action="store_true", help="also time each op alone")
+    p.add_argument("--split", action="store_true",
+                   help="also time the fused head's layers: decision, op call, backward op")
     args = p.parse_args()
     device = torch.device("cuda")
     if args.per_op:
         per_op(device, args.batch)
+    if args.split:
+        split(device, args.batch, args.settings)
     dims = (2048, 4096, 256)
     for name in args.settings:
         spec = DTYPES[name]

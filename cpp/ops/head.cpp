@@ -121,10 +121,9 @@ Tensor3 training_fold(const Tensor& colsum, const Tensor& colsumsq, int64_t coun
   return fold;
 }
 
-// The settings only the last pass reads, checked before any pass runs: a refused call must not
-// have updated the running statistics already.
-void check_settings(const Tensor& x, const HeadConfig& cfg) {
-  const char* op = "fused_head";
+}  // namespace
+
+void check_output_settings(const Tensor& x, const HeadConfig& cfg, const char* op) {
   activation_from_name(cfg.activation, cfg.negative_slope, op);
   const at::ScalarType z_dtype = cfg.gemm_dtype.value_or(x.scalar_type());
   const at::ScalarType out = cfg.out_dtype.value_or(z_dtype);
@@ -133,12 +132,7 @@ void check_settings(const Tensor& x, const HeadConfig& cfg) {
                 ") or float32 for a 16-bit GEMM, got ", out);
 }
 
-}  // namespace
-
-// x and W as the GEMMs read them: cast to cfg.gemm_dtype (autocast), or as they are; the weight's
-// cast kept as its 3x split is (keep_policy: an eval model casts it once, a training step once
-// for all its forwards).
-static KeepPolicy keep_policy(const HeadConfig& cfg) {
+KeepPolicy keep_policy(const HeadConfig& cfg) {
   return cfg.for_backward ? KeepPolicy::kStep : KeepPolicy::kRepeated;
 }
 
@@ -167,7 +161,9 @@ Tensor7 fused_head_forward(const Tensor& x, const Tensor& weight, const OptTenso
   // and no_grad forwards see the same weight again), shared by a training step's forwards until
   // its backward starts (weight_split_cache.h).
   const WeightOperandsKept keep(keep_policy(cfg));
-  check_settings(x, cfg);
+  // The settings only the last pass reads, checked before any pass runs: a refused call must not
+  // have updated the running statistics already.
+  check_output_settings(x, cfg, "fused_head");
   // Under autocast the autograd kernel hands over x and W already cast (and keeps them for the
   // backward); a direct call casts here.
   const Tensor x_gemm = gemm_input(x, cfg), w_gemm = gemm_weight(weight, cfg);

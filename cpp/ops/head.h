@@ -6,6 +6,7 @@
 
 #include "head_config.h"
 #include "ops.h"
+#include "weight_split_cache.h"
 
 namespace epifuse::ops {
 
@@ -14,6 +15,15 @@ namespace epifuse::ops {
 // reads, so the fold multiplies by nothing and the backward skips a one-element scale's gradient
 // (a sum over every column: scratch, a memset and a last-block reduction per backward).
 std::pair<OptTensor, OptTensor> scales(const Tensor& scale, const HeadConfig& cfg);
+
+// How long a forward's weight operands (3x split, 16-bit cast) are kept: while the weight is
+// unchanged where no backward follows (an eval model makes them once), for the step's forwards
+// where one does (released when its backward starts). weight_split_cache.h.
+KeepPolicy keep_policy(const HeadConfig& cfg);
+
+// The activation's name and the output dtype, checked before any pass runs (the rule for both
+// head kinds): out_dtype is the GEMM's dtype, or float32 from a 16-bit GEMM.
+void check_output_settings(const Tensor& x, const HeadConfig& cfg, const char* op);
 
 // x or W as the GEMMs read them: cast to cfg.gemm_dtype (autocast), or as they are. The weight's
 // 16-bit cast is kept while the weight is unchanged (weight_split_cache.h).

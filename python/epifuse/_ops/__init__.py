@@ -13,8 +13,9 @@ FakeTensor / torch.compile. One module per family, as in C++:
   backward  softmax_grad_rowdot, head_grad_sums, head_grad_coefficients, head_grad_z
   synced    pack_moments, merge_fold, normalized_grad_sums (+ the hooks' fake kernels)
   head      fused_head, fused_head_backward (fake kernels; their CPU kernel is the C++ composite)
+  linear    fused_linear (fake kernel; its CPU kernel is the C++ composite)
 
 Imported once the library is loaded (``epifuse/__init__.py``).
 """
 
-from . import apply, backward, fold, gemm, head, synced  # noqa: F401  (registers the kernels)
+from . import apply, backward, fold, gemm, head, linear, synced  # noqa: F401  (registers the kernels)

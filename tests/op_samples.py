@@ -160,6 +160,20 @@ def samples(device, dtype, m=5, k=7, n=3, seed=0, group_name=""):
             case(sums, moments, bias, gamma, None, s1, eps=1e-5, group_name=group_name),
             case(sums, moments, None, gamma, sn, None, group_name=group_name),
         ],
+        # (x, weight, bias, *, the Linear's settings): the bias and activation in the GEMM's
+        # epilogue; h (the pre-activation) returned where the backward reads it (GELU, SiLU, a
+        # negative LeakyReLU slope, any activation before a softmax); an output wider than the
+        # GEMM's; no backward.
+        "fused_linear": [
+            case(x, w, bias, precision=prec), case(x, w, None, precision=prec, activation="relu"),
+            case(x, w, bias, precision=prec, activation="gelu"),
+            case(x, w, bias, precision=prec, activation="leaky_relu", negative_slope=-0.5),
+            case(x, w, None, precision=prec, softmax=True, activation="silu"),
+            case(x, w, bias, precision=prec, softmax=True, for_backward=False),
+            case(x, w, bias, precision=prec, activation="gelu_tanh", for_backward=False),
+            case(x, w, bias, precision=prec, gemm_dtype=torch.bfloat16, out_dtype=torch.float32,
+                 activation="relu"),
+        ],
         # (x, weight, bias, gamma, beta, scale, running_mean, running_var, num_batches_tracked,
         #  *, HeadConfig's fields). In training, given num_batches_tracked, the op updates the
         # running statistics in place (the schema's Tensor(a!) running_mean, Tensor(b!)

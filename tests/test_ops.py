@@ -67,6 +67,8 @@ def test_fake_kernel_matches_cpu_kernel(name, dtype_id, index, request):
 HEAD_OP_SETTINGS = {
     "fused_head": HeadConfig._fields,
     "fused_head_backward": HeadConfig._fields,
+    "fused_linear": ("precision", "softmax", "activation", "negative_slope", "gemm_dtype",
+                     "out_dtype", "for_backward"),
     "bn_fold_train": ("momentum", "eps"),
     "bn_fold_eval": ("eps",),
     "bn_fold_batch": ("eps",),

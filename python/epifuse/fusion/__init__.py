@@ -26,18 +26,22 @@ from ..nn import BATCH_NORMS, FusedLinearBatchNorm
 from ..precision import validate_precision
 from .chain import FusedChain
 from .graph import match_chains, rewrite
+from .linear_chain import FusedLinearChain
 from .report import Fused, FuseReport, Skipped  # noqa: F401  (re-exported)
 
 # Set on a module whose forward fuse() replaced: its FusedChains (which are not submodules,
-# so that containers such as nn.Sequential keep their length and indices).
+# so that containers such as nn.Sequential keep their length and indices), and its
+# FusedLinearChains (the plain Linears: no BatchNorm, hence none of a head's BatchNorm settings).
 HEADS_ATTR = "_epifuse_heads"
+LINEARS_ATTR = "_epifuse_linears"
+_FUSED_MODULES = (FusedLinearBatchNorm, FusedChain, FusedLinearChain)
 
 
 class _Tracer(fx.Tracer):
     """fx's default tracer, with epifuse heads and already-fused modules as leaves."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if isinstance(m, (FusedLinearBatchNorm, FusedChain)) or HEADS_ATTR in m.__dict__:
+        if isinstance(m, _FUSED_MODULES) or HEADS_ATTR in m.__dict__:
             return True
         return super().is_leaf_module(m, qualname)
 
@@ -55,7 +59,7 @@ def _is_builtin_leaf(module: nn.Module) -> bool:
         module, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
 
 
-def _fuse_traced(module: nn.Module, path: str, precision: Optional[str],
+def _fuse_traced(module: nn.Module, path: str, precision: Optional[str], plain_linear: bool,
                  report: FuseReport) -> bool:
     """Trace module and fuse its chains; False if it cannot be traced."""
     try:
@@ -68,7 +72,7 @@ def _fuse_traced(module: nn.Module, path: str, precision: Optional[str],
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                 f"its submodules were searched instead"))
         return False
-    matches, skipped = match_chains(module, graph, f"{path}." if path else "")
+    matches, skipped = match_chains(module, graph, f"{path}." if path else "", plain_linear)
     report.skipped.extend(skipped)
     if not matches:
         return True
@@ -79,7 +83,9 @@ def _fuse_traced(module: nn.Module, path: str, precision: Optional[str],
     # calls it with the model as the graph's first input. The GraphModule holds the fused heads
     # only, and pickles and deep-copies with the model.
     module.forward = functools.partial(traced.forward, module)
-    setattr(module, HEADS_ATTR, tuple(chains.values()))
+    setattr(module, HEADS_ATTR, tuple(c for c in chains.values() if isinstance(c, FusedChain)))
+    setattr(module, LINEARS_ATTR,
+            tuple(c for c in chains.values() if isinstance(c, FusedLinearChain)))
     report.fused.extend(fused)
     return True
 
@@ -131,21 +137,22 @@ def _look_up_at_each_call(graph: fx.Graph, chains: set[str]) -> None:
     graph.lint()
 
 
-def _fuse(module: nn.Module, path: str, precision: Optional[str], report: FuseReport) -> None:
-    if _is_builtin_leaf(module) or isinstance(module, (FusedLinearBatchNorm, FusedChain)):
+def _fuse(module: nn.Module, path: str, precision: Optional[str], plain_linear: bool,
+          report: FuseReport) -> None:
+    if _is_builtin_leaf(module) or isinstance(module, _FUSED_MODULES):
         return
     if HEADS_ATTR in module.__dict__:
         report.skipped.append(Skipped(path or type(module).__name__, "already fused"))
         return
     is_container = isinstance(module, (nn.ModuleList, nn.ModuleDict))  # no forward of their own
-    if not is_container and _fuse_traced(module, path, precision, report):
+    if not is_container and _fuse_traced(module, path, precision, plain_linear, report):
         return
     for name, child in module.named_children():
-        _fuse(child, f"{path}.{name}" if path else name, precision, report)
+        _fuse(child, f"{path}.{name}" if path else name, precision, plain_linear, report)
 
 
-def fuse(model: nn.Module, *, precision: Optional[str] = None,
-         strict: bool = False) -> tuple[nn.Module, FuseReport]:
+def fuse(model: nn.Module, *, precision: Optional[str] = None, strict: bool = False,
+         plain_linear: bool = True) -> tuple[nn.Module, FuseReport]:
     """Fuse every ``Linear -> BatchNorm1d [-> scale] [-> activation] [-> softmax]`` chain of
     ``model``, in place.
 
@@ -160,6 +167,11 @@ def fuse(model: nn.Module, *, precision: Optional[str] = None,
     in place or not) whose output has no other reader, and optionally by a
     softmax over dim 1 or -1 (``nn.Softmax``, ``torch.softmax``, ``F.softmax``,
     ``Tensor.softmax``). Any other activation stays outside the chain.
+
+    With ``plain_linear`` (the default), every other ``nn.Linear`` it reaches fuses too, with the
+    activation and softmax after it (``FusedLinearChain``): at fp32 default precision its GEMM is
+    epifuse's 3x split instead of SGEMM; at 16 bits and in TF32 it runs PyTorch's GEMM, the same
+    one (``linear.PYTORCH_GEMM``). ``plain_linear=False`` fuses the BatchNorm chains only.
 
     Returns ``(model, report)``: the same model object, and a ``FuseReport``
     listing the chains fused and the near misses left with their reason.
@@ -180,12 +192,14 @@ def fuse(model: nn.Module, *, precision: Optional[str] = None,
         raise TypeError(f"epifuse.fuse expects an nn.Module, got {type(model).__name__}")
     precision = validate_precision(precision)
     report = FuseReport()
-    _fuse(model, "", precision, report)
+    _fuse(model, "", precision, plain_linear, report)
     if strict:
         for module in model.modules():
-            for head in module.__dict__.get(HEADS_ATTR, ()):
+            for head in (*module.__dict__.get(HEADS_ATTR, ()),
+                         *module.__dict__.get(LINEARS_ATTR, ())):
                 head.strict = True
     return model, report
 
 
-__all__ = ["FuseReport", "Fused", "FusedChain", "HEADS_ATTR", "Skipped", "fuse"]
+__all__ = ["FuseReport", "Fused", "FusedChain", "FusedLinearChain", "HEADS_ATTR", "LINEARS_ATTR",
+           "Skipped", "fuse"]

@@ -1,5 +1,5 @@
 """Finding ``Linear -> [x scale] -> BatchNorm1d -> [x scale] -> [activation] -> [softmax]`` in an
-fx graph.
+fx graph, and the plain ``Linear -> [activation] -> [softmax]`` layers beside them.
 
 ``match_chains`` walks a traced graph from every ``nn.Linear`` call and
 returns the chains it can fuse plus the near misses (a feature-count mismatch,
@@ -20,6 +20,7 @@ from torch import Tensor, fx, nn
 from ..head import computes_as_batch_norm, computes_as_linear, has_module_hooks
 from ..nn import BATCH_NORMS, DEFAULT_NEGATIVE_SLOPE, activation_of_module, describe_activation
 from .chain import FusedChain, slot_of
+from .linear_chain import FusedLinearChain
 from .report import Fused, Skipped
 
 _MULS = (operator.mul, torch.mul)
@@ -46,7 +47,7 @@ class Match:
 
     nodes: list[fx.Node]
     linear: str  # call_module targets
-    bn: str
+    bn: Optional[str]  # None: a plain Linear (no BatchNorm)
     scale: Optional[str] = None  # get_attr target
     scale_position: str = "after_bn"
     activation: str = ""  # HeadConfig's name, '' none
@@ -64,7 +65,8 @@ class Match:
         parts = [p + self.linear]
         if self.scale and self.scale_position == "before_bn":
             parts.append(f"* {p}{self.scale}")
-        parts.append(p + self.bn)
+        if self.bn is not None:
+            parts.append(p + self.bn)
         if self.scale and self.scale_position == "after_bn":
             parts.append(f"* {p}{self.scale}")
         if self.activation:
@@ -233,6 +235,14 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
     if has_module_hooks(linear) or has_module_hooks(bn):
         match.notes.append("the Linear or the BatchNorm has module hooks: the head runs its "
                            "modules, hooks and all, while they do")
+    _take_tail(modules, match, cur, nxt)
+    return match
+
+
+def _take_tail(modules: dict[str, nn.Module], match: Match, cur: fx.Node,
+               nxt: Optional[fx.Node]) -> None:
+    """Extend ``match`` (ending at ``cur``, whose sole user is ``nxt``) by the activation and the
+    softmax that follow, where they can fuse; a note says why one that follows did not."""
     act = _activation(modules, nxt, cur) if nxt is not None else None
     hooked = _hooked_module(modules, nxt)
     if act is not None and hooked:
@@ -265,14 +275,30 @@ def _match_from(root: nn.Module, modules: dict[str, nn.Module], lin_node: fx.Nod
     elif len(cur.users) > 1:
         match.notes.append(f"output used by {len(cur.users)} consumers; any activation or "
                            f"softmax left unfused")
+
+
+def _match_plain(modules: dict[str, nn.Module], lin_node: fx.Node, prefix: str) -> Optional[Match]:
+    """A plain ``Linear [-> activation] [-> softmax]`` from lin_node: any nn.Linear that keeps
+    nn.Linear's forward (its output may have several readers: then it fuses alone)."""
+    linear = modules[lin_node.target]
+    if not computes_as_linear(linear):
+        return None
+    match = Match([lin_node], lin_node.target, None, prefix=prefix)
+    match.notes.append("plain Linear: epifuse's 3x GEMM at fp32 default precision, PyTorch's own "
+                       "GEMM at 16 bits and in TF32")
+    if has_module_hooks(linear):
+        match.notes.append("the Linear has module hooks: it runs as a module, hooks and all, "
+                           "while it does")
+    _take_tail(modules, match, lin_node, _sole_user(lin_node))
     return match
 
 
-def match_chains(root: nn.Module, graph: fx.Graph,
-                 prefix: str = "") -> tuple[list[Match], list[Skipped]]:
+def match_chains(root: nn.Module, graph: fx.Graph, prefix: str = "",
+                 plain_linear: bool = True) -> tuple[list[Match], list[Skipped]]:
     """Every fusable chain of ``graph`` (traced from ``root``) and the near misses.
 
     ``prefix`` (root's path in the model, with a trailing dot) prefixes the report's names.
+    ``plain_linear``: also every other nn.Linear, with the activation and softmax after it.
     """
     modules = dict(root.named_modules())
     matches: list[Match] = []
@@ -284,6 +310,8 @@ def match_chains(root: nn.Module, graph: fx.Graph,
         if not (len(node.args) == 1 and not node.kwargs):
             continue
         match = _match_from(root, modules, node, skipped, prefix)
+        if match is None and plain_linear:
+            match = _match_plain(modules, node, prefix)
         if match is not None:
             matches.append(match)
     return matches, skipped
@@ -291,7 +319,8 @@ def match_chains(root: nn.Module, graph: fx.Graph,
 
 def rewrite(root: nn.Module, graph: fx.Graph, matches: list[Match],
             precision: Optional[str]) -> tuple[dict[str, nn.Module], list[Fused]]:
-    """Replace each match in ``graph`` by a call of a new FusedChain.
+    """Replace each match in ``graph`` by a call of a new FusedChain (FusedLinearChain for a
+    plain Linear).
 
     Returns the chains by the attribute name the graph calls them under, and
     the report entries.
@@ -299,13 +328,20 @@ def rewrite(root: nn.Module, graph: fx.Graph, matches: list[Match],
     chains: dict[str, nn.Module] = {}
     fused: list[Fused] = []
     for i, m in enumerate(matches):
-        name = f"epifuse_head_{i}"
-        chains[name] = FusedChain(slot_of(root, m.linear), slot_of(root, m.bn),
-                                  slot_of(root, m.scale) if m.scale else None, m.scale_position,
-                                  m.softmax_dim, precision, m.where, m.activation,
-                                  m.negative_slope,
-                                  slot_of(root, m.activation_module) if m.activation_module else None,
-                                  slot_of(root, m.softmax_module) if m.softmax_module else None)
+        activation_module = slot_of(root, m.activation_module) if m.activation_module else None
+        softmax_module = slot_of(root, m.softmax_module) if m.softmax_module else None
+        if m.bn is None:  # a plain Linear
+            name = f"epifuse_linear_{i}"
+            chains[name] = FusedLinearChain(slot_of(root, m.linear), m.softmax_dim, precision,
+                                            m.where, m.activation, m.negative_slope,
+                                            activation_module, softmax_module)
+        else:
+            name = f"epifuse_head_{i}"
+            chains[name] = FusedChain(slot_of(root, m.linear), slot_of(root, m.bn),
+                                      slot_of(root, m.scale) if m.scale else None,
+                                      m.scale_position, m.softmax_dim, precision, m.where,
+                                      m.activation, m.negative_slope, activation_module,
+                                      softmax_module)
         first, last = m.nodes[0], m.nodes[-1]
         with graph.inserting_after(last):
             call = graph.call_module(name, args=first.args)

@@ -47,9 +47,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    """Let the fused path run on CPU tensors: one epifuse::fused_head call, whose C++ kernel runs
-    the same sequence of passes as on CUDA, each checking its arguments and then computing its
-    float64 reference (python/epifuse/_ops/, over fold.py).
+    """Let the fused path run on CPU tensors: one epifuse::fused_head call (fused_linear for a plain
+    Linear), whose C++ kernel runs the same sequence of passes as on CUDA, each checking its
+    arguments and then computing its float64 reference (python/epifuse/_ops/, over fold.py).
 
     This exercises head.py's decision, the op's sequence, its C++ autograd and tracing in CI
     without a GPU; only the device check is bypassed (and, with it, the fallback warning).

@@ -89,13 +89,14 @@ def randomize_bn_(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-def fused_pair(build):
+def fused_pair(build, plain_linear: bool = False):
     """(original, fused, report): a model from ``build()`` with randomized BatchNorms, a copy of
-    it, and the model after epifuse.fuse (in place)."""
+    it, and the model after epifuse.fuse (in place). These models test the BatchNorm chains:
+    their plain Linears are fused only where ``plain_linear`` asks (tests/test_plain_linear.py)."""
     torch.manual_seed(0)
     model = randomize_bn_(build())
     original = copy.deepcopy(model)
-    fused, report = epifuse.fuse(model)
+    fused, report = epifuse.fuse(model, plain_linear=plain_linear)
     assert fused is model
     return original, model, report
 

@@ -622,6 +622,22 @@ OP_ERRORS += [
     # ... eval: the running statistics folded
     Case("fused_head", "eval-running_var-bf16", {"running_var": _as(BF16)}, R,
          words("bn_fold_eval", "running_var", "BFloat16"), sample=3),
+    # fused_linear (x [5, 7], weight [3, 7], bias [3]; precision 'ieee')
+    Case("fused_linear", "K-mismatch", {"weight": _rows(3, 8)}, R,
+         words("shapes cannot be multiplied", "5x7", "8x3")),
+    Case("fused_linear", "x-3d", {"x": _3d}, R, words("fused_linear", "x", "2-D", "3-D")),
+    Case("fused_linear", "weight-3d", {"weight": _3d}, R,
+         words("fused_linear", "weight", "2-D", "3-D")),
+    Case("fused_linear", "bias-length", {"bias": _vec(4)}, R,
+         words("fused_linear", "bias", "[3]", "[4]")),
+    Case("fused_linear", "bias-float64", {"bias": _as(F64)}, R,
+         words("fused_linear", "bias", "float32, float16 or bfloat16", "Double")),
+    Case("fused_linear", "precision-bogus", {"precision": "bogus"}, V,
+         words("fused_linear", "precision", "'bogus'")),
+    Case("fused_linear", "activation-bogus", {"activation": "tanh"}, V,
+         words("fused_linear", "unknown activation", "'tanh'")),
+    Case("fused_linear", "out_dtype-float64", {"out_dtype": F64}, R,
+         words("fused_linear", "out_dtype", "Double")),
     # fused_head_backward (grad, x, weight, bias, gamma, beta, scale, z, out, colsum, colsumsq,
     # moments, needs; training, softmax)
     Case("fused_head_backward", "softmax-without-out", {"out": _none}, R,

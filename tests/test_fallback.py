@@ -25,7 +25,8 @@ from fuse_models import IN, OUT, fused_pair, sequential
 from helpers import init_args, make_pair, rel_err, traced_epifuse_ops
 
 CUDA = torch.device("cuda")
-COMPOSITES = {"fused_head", "fused_head_backward", "synced_batch_fold", "synced_grad_sums"}
+COMPOSITES = {"fused_head", "fused_head_backward", "fused_linear", "synced_batch_fold",
+              "synced_grad_sums"}
 
 
 def _warnings(caplog) -> list[str]:

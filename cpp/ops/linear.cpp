@@ -122,6 +122,11 @@ Tensor2 fused_linear_forward(const Tensor& x, const Tensor& weight, const OptTen
   Tensor c = zeros;
   if (bias) {
     check_device(*bias, kOp, "bias", x);
+    // Added in the epilogue's fp32: a 16-bit or fp32 bias (an autocast model's fp32 parameters
+    // beside a weight the autograd kernel hands over cast, or a 16-bit model's own).
+    const at::ScalarType b = bias->scalar_type();
+    EPIFUSE_CHECK(b == at::kFloat || b == at::kHalf || b == at::kBFloat16, "epifuse::", kOp,
+                  ": expected bias to be float32, float16 or bfloat16, got ", b);
     c = column_vector(bias->scalar_type() == at::kFloat ? *bias : bias->to(at::kFloat), n, kOp,
                       "bias", x);
   }

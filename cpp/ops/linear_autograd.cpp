@@ -34,13 +34,19 @@ constexpr int kBackwardArgs = 8;  // FusedLinearBackward: 5 tensors, needs, para
 // Runs the backward as a function of its own so that a second differentiation (create_graph=True,
 // then backward through the gradients) raises instead of silently giving no gradient.
 struct FusedLinearBackward : torch::autograd::Function<FusedLinearBackward> {
-  static variable_list forward(AutogradContext*, const Tensor& grad, const Tensor& x,
-                               const Tensor& weight, const Tensor& out, const Tensor& h,
+  // The saved tensors as optionals: Function::apply reads the autograd metadata of every
+  // (defined) tensor argument, and an unsaved one is undefined.
+  static variable_list forward(AutogradContext*, const Tensor& grad, const OptTensor& x,
+                               const OptTensor& weight, const OptTensor& out, const OptTensor& h,
                                LinearNeeds needs, at::ScalarType param_dtype,
                                const HeadConfig& cfg) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const auto r = linear_backward(grad, x, weight, out, h, needs, param_dtype, cfg);
-    return {r[0], r[1], r[2]};
+    const auto r = linear_backward(grad, x.value_or(Tensor()), weight.value_or(Tensor()),
+                                   out.value_or(Tensor()), h.value_or(Tensor()), needs,
+                                   param_dtype, cfg);
+    // Function::apply takes defined outputs only: an empty tensor for a gradient not asked for.
+    const auto or_empty = [&](const Tensor& t) { return t.defined() ? t : at::empty({0}, grad.options()); };
+    return {or_empty(r[0]), or_empty(r[1]), or_empty(r[2])};
   }
 
   static variable_list backward(AutogradContext*, variable_list) {
@@ -98,8 +104,10 @@ struct FusedLinear : torch::autograd::Function<FusedLinear> {
                             has_bias && ctx->needs_input_grad(2)};
     std::array<Tensor, 3> r;
     if (at::GradMode::is_enabled()) {  // create_graph: a node that refuses a second backward
-      const variable_list g = FusedLinearBackward::apply(grads[0], saved[0], saved[1], saved[2],
-                                                         saved[3], needs, param_dtype, cfg);
+      const auto opt = [](const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; };
+      const variable_list g =
+          FusedLinearBackward::apply(grads[0], opt(saved[0]), opt(saved[1]), opt(saved[2]),
+                                     opt(saved[3]), needs, param_dtype, cfg);
       r = {g[0], g[1], g[2]};
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;

@@ -106,6 +106,8 @@ COMPILED = {"compile": (False, None), "compile_ro": (False, "reduce-overhead"),
 # which every fused backward calls (inside fused_head_backward, or, under autocast, from the
 # autograd node's stepwise backward that frees each 16-bit cast after its last GEMM).
 HEAD_OPS = ("epifuse::fused_head", "epifuse::head_grad_coefficients")
+# A plain Linear's fused forward (its backward is the op's C++ autograd node, no op of its own).
+LINEAR_OP = "epifuse::fused_linear"
 HOST_MODEL, HOST_BATCH, DRY_HOST_BATCH = "projection", 256, 16
 
 # Rough costs (seconds) for the estimate printed before the section: building, copying, fusing
@@ -277,37 +279,56 @@ def count_head_ops(fn: Callable[[], object]) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     names = [e.name for e in prof.events()]
-    return {"forward": names.count(HEAD_OPS[0]), "backward": names.count(HEAD_OPS[1])}
+    return {"forward": names.count(HEAD_OPS[0]), "backward": names.count(HEAD_OPS[1]),
+            "linear": names.count(LINEAR_OP)}
 
 
 def head_reason(model: nn.Module, x: torch.Tensor, spec: DTypeSpec,
                 device: torch.device) -> Optional[str]:
     """epifuse.fast_path_reason for the model's first Linear -> BatchNorm1d on its input (what
-    its fused head decides), in the setting's autocast region."""
+    its fused head decides), or without one the first plain Linear's, in the setting's autocast
+    region."""
     mods = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.BatchNorm1d))]
-    if len(mods) < 2:
-        return "no Linear -> BatchNorm1d in the model"
+    pairs = [(a, b) for a, b in zip(mods, mods[1:])
+             if isinstance(a, nn.Linear) and isinstance(b, nn.BatchNorm1d)]
     with spec.amp(device.type), torch.no_grad():
-        return epifuse.fast_path_reason(epifuse.nn.FusedLinearBatchNorm(mods[0], mods[1]), x)
+        if pairs:
+            return epifuse.fast_path_reason(epifuse.nn.FusedLinearBatchNorm(*pairs[0]), x)
+        if mods:  # plain Linears only (SimCLR): the first one's decision
+            return epifuse.linear.linear_reason(mods[0], x, None)
+    return "no Linear in the model"
 
 
 def check_path(fn: Callable[[], object], model: nn.Module, x: torch.Tensor, heads: int,
-               spec: DTypeSpec, device: torch.device, *, compiled: bool = False) -> dict:
+               spec: DTypeSpec, device: torch.device, *, compiled: bool = False,
+               linears: int = 0) -> dict:
     """How many of ``heads`` fused heads one ``fn()`` ran on epifuse::fused_head, forward and
-    backward, and the reason where fewer. Where epifuse.fast_path_reason already says the heads
+    backward, and of ``linears`` plain Linears on epifuse::fused_linear (the fused model's plain
+    Linears where the setting fuses them: fused_linears), and the reason where fewer. Where epifuse.fast_path_reason already says the heads
     run their modules (the CPU dry run) it says so without profiling (kineto logs every profiler
     start and stop on a machine without a GPU)."""
     reason = head_reason(model, x, spec, device)
     if reason is not None and device.type != "cuda":
         fn()
-        return {"forward": 0, "backward": 0, "heads": heads, "reason": reason}
+        return {"forward": 0, "backward": 0, "linear": 0, "heads": heads, "reason": reason}
     counts = count_head_ops(fn)
-    if counts["forward"] >= heads and counts["backward"] >= heads:
+    if counts["forward"] >= heads and counts["backward"] >= heads and counts["linear"] >= linears:
         reason = None
     elif reason is None:
         reason = ("the compiled model did not call the fused ops" if compiled
                   else "the heads ran their modules")
-    return dict(counts, heads=heads, reason=reason)
+    return dict(counts, heads=heads, linears=linears, reason=reason)
+
+
+def fused_linears(fuse_report, spec: DTypeSpec, calls: int = 1) -> int:
+    """How many epifuse::fused_linear calls ``calls`` forwards of a model fused with
+    ``fuse_report`` make in ``spec``: every plain Linear where the GEMM is the 3x split (fp32 at
+    default precision), none at 16 bits or in TF32, where they run PyTorch's GEMM
+    (epifuse.linear.PYTORCH_GEMM)."""
+    plain = sum(f.kind == "linear" for f in fuse_report.fused)
+    three_x = spec.precision == epifuse.precision.TF32X3 or (
+        spec.precision is None and spec.torch_precision == "highest")
+    return plain * calls if spec.autocast is None and spec.dtype == torch.float32 and three_x else 0
 
 
 def _cudagraph_skips() -> Optional[int]:
@@ -345,14 +366,15 @@ def build_models(group: LoopGroup, device: torch.device) -> tuple[dict, list]:
     base = build_model(group.model, group.dims, bias=BIAS[group.model]).to(device)
     models = {"eager": (base, base)}
     fused_where: list = []
+    fuse_report = None
     for impl in group.impls[1:]:
         fuse_it, mode = COMPILED.get(impl, (True, None))
         model = copy.deepcopy(base)
         if fuse_it:
-            _, report = epifuse.fuse(model, precision=group.spec.precision)
-            fused_where = [f.where for f in report.fused]
+            _, fuse_report = epifuse.fuse(model, precision=group.spec.precision)
+            fused_where = [f.where for f in fuse_report.fused]
         models[impl] = (model, model if impl == "fused" else compile_model(model, device, mode))
-    return models, fused_where
+    return models, fused_where, fuse_report
 
 
 def run_group(group: LoopGroup, device: torch.device, settings: timing.Settings,
@@ -363,9 +385,10 @@ def run_group(group: LoopGroup, device: torch.device, settings: timing.Settings,
     s, q = timing_settings(settings), queued_counts(settings)
     if group.compile:  # a fresh dynamo cache (and CUDA-graph trees) for every group
         torch._dynamo.reset()
-    models, fused_where = build_models(group, device)
+    models, fused_where, fuse_report = build_models(group, device)
     inputs = _inputs(group, device)
-    heads = len(fused_where)
+    heads = sum(f.kind == "head" for f in fuse_report.fused) if fuse_report is not None else 0
+    linears = fused_linears(fuse_report, group.spec) if fuse_report is not None else 0
     path: dict = {}
     first_s: dict = {}
     skips: dict = {}
@@ -401,7 +424,8 @@ def run_group(group: LoopGroup, device: torch.device, settings: timing.Settings,
                     if n == 0 and impl in FUSED_IMPLS:
                         path[impl] = check_path(lambda: fn(inputs[1 % len(inputs)]),
                                                 models[impl][0], inputs[0][0], heads, group.spec,
-                                                device, compiled=impl != "fused")
+                                                device, compiled=impl != "fused",
+                                                linears=linears)
                 except Exception as e:  # noqa: BLE001
                     errors[impl] = e
                     del fns[impl]

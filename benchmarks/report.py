@@ -491,8 +491,14 @@ def small_batch_legend(rows: Sequence[dict]) -> str:
                       f"Linear({h}, {h}) -> BN -> ReLU -> Linear({h}, {d_out}) -> "
                       f"BatchNorm1d({d_out}, affine=False) and predictor Linear({d_out}, {h}) -> "
                       f"BN -> ReLU -> Linear({h}, {d_out})")
+    if "simclr_v1" in dims:
+        d_in, h, d_out = dims["simclr_v1"]
+        models.append(f"simclr_v1 = SimCLR v1's projection head Linear({d_in}, {h}) -> ReLU -> "
+                      f"Linear({h}, {d_out}), with biases, no BatchNorm")
     return ("Small batches (`python -m benchmarks.small_batch`): " + "; ".join(models)
-            + "; every Linear without bias. One step = both views through the head (two calls, "
+            + "; the BatchNorm heads' Linears without bias. Plain Linears (no BatchNorm after "
+            "them) run fused at fp32 default precision and PyTorch's own GEMM at 16 bits and in "
+            "TF32. One step = both views through the head (two calls, "
             "in one autocast region for amp-bf16), -cosine_similarity(z1, z2).mean(), backward; "
             "'head': the parameters' versions bumped as an optimizer's update would, no "
             "optimizer; '+ SGD': SGD(momentum=0.9, fused) steps. ms per step queued back to back "
@@ -500,7 +506,7 @@ def small_batch_legend(rows: Sequence[dict]) -> str:
             "Where the GPU time goes: one profiled run of 3 steps, kernels by name (operands = "
             "the 3x splits, 16-bit casts and operand copies; other = BatchNorm, activations, "
             "the loss, reductions, the optimizer). 'fused heads' = chains `epifuse.fuse` fused "
-            "(plain Linears stay on PyTorch); a footnote marks a step that did not run them. "
+            "(Linear -> BN chains and plain Linears); a footnote marks a step that did not run them. "
             "peak MiB: one step's peak above what was allocated before it. torch.compile "
             "only at the batches the row shows ('-' elsewhere).")
 

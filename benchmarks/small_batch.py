@@ -10,12 +10,14 @@ two views per step at the per-GPU batches they train with (64, 128, 256 rows per
 A section of ``python -m benchmarks`` (BENCHMARKS.md, "Small batches"); alone, this writes its
 table.
 
-Models (every Linear without bias, as the papers' code builds them):
+Models (as the papers' code builds them; the BatchNorm heads' Linears without bias):
   barlow_twins  Barlow Twins' projector: Linear(2048, 8192) -> BN -> ReLU -> Linear(8192, 8192)
                 -> BN -> ReLU -> Linear(8192, 8192) (the last one plain)
   moco_v3       MoCo v3's projector and predictor (ResNet-50): Linear(2048, 4096) -> BN -> ReLU
                 -> Linear(4096, 4096) -> BN -> ReLU -> Linear(4096, 256) -> BatchNorm1d(256,
                 affine=False), then Linear(256, 4096) -> BN -> ReLU -> Linear(4096, 256)
+  simclr_v1     SimCLR v1's projection head (ResNet-50): Linear(2048, 2048) -> ReLU ->
+                Linear(2048, 128), with biases, no BatchNorm (plain Linears only)
 
 One timed step, as SSL code runs a head (each view a separate call)::
 
@@ -66,11 +68,13 @@ import epifuse
 
 from . import timing
 from .cases import DTYPES, DTypeSpec, compile_model, describe, free_memory
-from .loop import _timings, check_path, make_optimizer
+from .loop import _timings, check_path, fused_linears, make_optimizer
 
-MODELS = ("barlow_twins", "moco_v3")
-DIMS = {"barlow_twins": (2048, 8192, 8192), "moco_v3": (2048, 4096, 256)}  # in, hidden, out
-DRY_DIMS = {"barlow_twins": (32, 64, 64), "moco_v3": (32, 64, 16)}
+MODELS = ("barlow_twins", "moco_v3", "simclr_v1")
+# in, hidden, out
+DIMS = {"barlow_twins": (2048, 8192, 8192), "moco_v3": (2048, 4096, 256),
+        "simclr_v1": (2048, 2048, 128)}
+DRY_DIMS = {"barlow_twins": (32, 64, 64), "moco_v3": (32, 64, 16), "simclr_v1": (32, 32, 16)}
 BATCHES, DRY_BATCHES = (64, 128, 256), (8, 16)
 COMPILE_BATCHES = (128, 256)
 SETTINGS = ("fp32-3xtf32", "fp32-tf32", "amp-bf16")
@@ -98,6 +102,9 @@ def build_model(name: str, dims: tuple[int, int, int]) -> nn.Module:
     if name == "barlow_twins":
         return nn.Sequential(*block(d_in, hidden), *block(hidden, hidden),
                              nn.Linear(hidden, d_out, bias=False))
+    if name == "simclr_v1":  # no BatchNorm: every layer a plain Linear (with its bias)
+        return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(inplace=True),
+                             nn.Linear(hidden, d_out))
     if name == "moco_v3":
         projector = nn.Sequential(*block(d_in, hidden), *block(hidden, hidden),
                                   nn.Linear(hidden, d_out, bias=False),
@@ -216,15 +223,18 @@ def build_models(group: SmallBatchGroup, device: torch.device) -> tuple[dict, li
     fused heads' places and what fuse left, with its reasons."""
     torch.manual_seed(0)
     base = build_model(group.model, group.dims).to(device)
-    models, fused, skipped = {"eager": (base, base)}, [], []
+    models, fused, skipped, counts = {"eager": (base, base)}, [], [], (0, 0)
     for impl in group.impls[1:]:
         model = copy.deepcopy(base)
         if impl in ("fused", "compile_fused"):
             _, rep = epifuse.fuse(model, precision=group.spec.precision)
             fused = [f.where for f in rep.fused]
             skipped = [f"{s.where}: {s.reason}" for s in rep.skipped]
+            # Per step: each head's ops once per view; each plain Linear's where it runs fused.
+            counts = (VIEWS * sum(f.kind == "head" for f in rep.fused),
+                      fused_linears(rep, group.spec, calls=VIEWS))
         models[impl] = (model, model if impl == "fused" else compile_model(model, device))
-    return models, fused, skipped
+    return models, fused, skipped, counts
 
 
 def run_group(group: SmallBatchGroup, device: torch.device, settings: timing.Settings,
@@ -233,7 +243,7 @@ def run_group(group: SmallBatchGroup, device: torch.device, settings: timing.Set
     t0 = time.perf_counter()
     if group.compile:
         torch._dynamo.reset()
-    models, fused, skipped = build_models(group, device)
+    models, fused, skipped, (heads, linears) = build_models(group, device)
     views = _views(group, device)
     q = timing.queued_counts(settings)
     rows = []
@@ -255,7 +265,8 @@ def run_group(group: SmallBatchGroup, device: torch.device, settings: timing.Set
                     first_s[impl] = round(time.perf_counter() - c0, 3)
                     if impl in ("fused", "compile_fused"):
                         path[impl] = check_path(lambda fn=fn: fn(views[1 % len(views)]), model,
-                                                views[0][0], len(fused), group.spec, device,
+                                                views[0][0], heads, group.spec, device,
+                                                linears=linears,
                                                 compiled=impl != "fused")
                     fns[impl] = fn
                 except Exception as e:  # noqa: BLE001 -- reported per implementation

@@ -11,7 +11,7 @@ from ._library import build_info, load_library
 load_library()
 
 from . import fold, ops, precision  # noqa: E402  (ops need the library loaded)
-from . import distributed, head, problems  # noqa: E402
+from . import distributed, head, linear, problems  # noqa: E402
 from .distributed import convert_sync_batchnorm  # noqa: E402
 from .functional import softmax  # noqa: E402
 from .head import fast_path_reason  # noqa: E402

@@ -355,7 +355,7 @@ def rewrite(root: nn.Module, graph: fx.Graph, matches: list[Match],
         for node in scale_reads:
             if not node.users:
                 graph.erase_node(node)
-        fused.append(Fused(m.where, "; ".join(m.notes)))
+        fused.append(Fused(m.where, "; ".join(m.notes), "head" if m.bn is not None else "linear"))
     graph.lint()
     return chains, fused
 

@@ -11,6 +11,7 @@ class Fused:
 
     where: str
     note: str = ""  # e.g. a softmax left outside the chain
+    kind: str = "head"  # "head": Linear -> BatchNorm1d (FusedChain); "linear": a plain Linear
 
 
 @dataclass(frozen=True)

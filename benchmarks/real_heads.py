@@ -44,12 +44,16 @@ from .cases import (DEFAULT_DTYPES, DEFAULT_PRECISIONS, DTYPES, TRAIN_STEP, DTyp
                     compile_model, estimate_call_s, estimate_timing_s, make_step, EST_CASE_S,
                     EST_COMPILE_S)
 
-MODELS = ("projection", "classifier")
+MODELS = ("projection", "classifier", "linear")
 QUEUED = "train-step-queued"
 MODES = ("train", "eval", TRAIN_STEP, QUEUED)
-DIMS = {"projection": (2048, 4096, 256), "classifier": (2048, 4096, 1000)}  # in, hidden, out
-DRY_DIMS = {"projection": (32, 64, 16), "classifier": (32, 64, 10)}
+# in, hidden, out ("linear": one plain Linear(in, out), hidden unused)
+DIMS = {"projection": (2048, 4096, 256), "classifier": (2048, 4096, 1000),
+        "linear": (8192, 8192, 8192)}
+DRY_DIMS = {"projection": (32, 64, 16), "classifier": (32, 64, 10), "linear": (32, 32, 32)}
 BATCH, DRY_BATCH = 4096, 64
+# The plain Linear's rows: its forward and its training step (eval is the same math).
+LINEAR_MODES = ("train", TRAIN_STEP)
 
 
 def build_model(name: str, dims: tuple[int, int, int], *, bias: bool = True) -> nn.Module:
@@ -65,6 +69,8 @@ def build_model(name: str, dims: tuple[int, int, int], *, bias: bool = True) -> 
         return nn.Sequential(
             nn.Linear(d_in, hidden, bias=bias), nn.BatchNorm1d(hidden), nn.GELU(),
             nn.Linear(hidden, d_out, bias=bias), nn.BatchNorm1d(d_out), nn.Softmax(dim=1))
+    if name == "linear":  # a plain Linear (fuse's plain_linear): the 3x GEMM against SGEMM
+        return nn.Sequential(nn.Linear(d_in, d_out, bias=bias))
     raise ValueError(f"unknown model {name!r} (expected one of {MODELS})")
 
 
@@ -87,8 +93,8 @@ class HeadCase:
     def flops(self) -> float:
         """GEMM flops of one call (a step counts 3 GEMMs per Linear)."""
         d_in, hidden, d_out = self.dims
-        layers = ((d_in, hidden), (hidden, hidden), (hidden, d_out)) if self.model == "projection" \
-            else ((d_in, hidden), (hidden, d_out))
+        layers = {"projection": ((d_in, hidden), (hidden, hidden), (hidden, d_out)),
+                  "linear": ((d_in, d_out),)}.get(self.model, ((d_in, hidden), (hidden, d_out)))
         return 2.0 * self.batch * sum(k * n for k, n in layers) * (
             3 if self.mode.startswith(TRAIN_STEP) else 1)
 
@@ -100,11 +106,12 @@ def modes_for(modes) -> list[str]:
 
 def plan(models, dtypes, modes, *, dry: bool, batch: Optional[int] = None,
          compile: bool = True) -> list[HeadCase]:
-    """Every model x column x mode, in that order."""
+    """Every model x column x mode, in that order (the plain Linear in LINEAR_MODES only)."""
     dims = DRY_DIMS if dry else DIMS
     batch = batch or (DRY_BATCH if dry else BATCH)
     return [HeadCase(m, DTYPES[d], mode, dims[m], batch, compile)
-            for m in models for d in dtypes for mode in modes]
+            for m in models for d in dtypes for mode in modes
+            if m != "linear" or mode in LINEAR_MODES]
 
 
 def estimate_s(case: HeadCase, settings: timing.Settings, dry: bool) -> float:

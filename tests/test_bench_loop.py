@@ -160,7 +160,7 @@ def test_count_head_ops_counts_dispatches(monkeypatch):
     monkeypatch.setattr(loop, "HEAD_OPS", ("aten::mm", "aten::t"))
     a = torch.randn(4, 4)
     counts = loop.count_head_ops(lambda: (torch.mm(a, a), torch.mm(a, a), a.t()))
-    assert counts == {"forward": 2, "backward": 1}
+    assert counts == {"forward": 2, "backward": 1, "linear": 0}
 
 
 def test_on_the_cpu_the_fused_heads_fall_back_with_the_reason():
@@ -169,18 +169,20 @@ def test_on_the_cpu_the_fused_heads_fall_back_with_the_reason():
     x = torch.rand(4, 8)
     calls = []
     path = loop.check_path(lambda: calls.append(model(x)), model, x, 3, DTYPES["amp-bf16"], CPU)
-    assert path == {"forward": 0, "backward": 0, "heads": 3,
+    assert path == {"forward": 0, "backward": 0, "linear": 0, "heads": 3, "linears": 0,
                     "reason": "input is on cpu, not CUDA"}
     assert len(calls) == 1  # the step still ran
 
 
 def test_a_fused_step_that_ran_every_head_is_not_marked(monkeypatch):
     monkeypatch.setattr(loop, "head_reason", lambda *a: None)
-    monkeypatch.setattr(loop, "count_head_ops", lambda fn: {"forward": 3, "backward": 3})
+    monkeypatch.setattr(loop, "count_head_ops", lambda fn: {"forward": 3, "backward": 3,
+                                                                "linear": 0})
     path = loop.check_path(lambda: None, nn.Linear(2, 2), torch.rand(2, 2), 3,
                            DTYPES["fp32-tf32"], CPU)
     assert path["reason"] is None
-    monkeypatch.setattr(loop, "count_head_ops", lambda fn: {"forward": 3, "backward": 0})
+    monkeypatch.setattr(loop, "count_head_ops", lambda fn: {"forward": 3, "backward": 0,
+                                                                "linear": 0})
     path = loop.check_path(lambda: None, nn.Linear(2, 2), torch.rand(2, 2), 3,
                            DTYPES["fp32-tf32"], CPU, compiled=True)
     assert path["reason"] == "the compiled model did not call the fused ops"

@@ -131,7 +131,7 @@ def test_the_page_plan_fits_its_time_budget():
     settings = Settings()
     plan = _plan(PAGE)
     heads = real_heads.plan(real_heads.MODELS, PAGE, real_heads.modes_for(MODES), dry=False)
-    assert len(heads) == 2 * 4 * 4
+    assert len(heads) == 2 * 4 * 4 + 4 * len(real_heads.LINEAR_MODES)
     total = (EST_FIRST_COMPILE_S + sum(estimate_case_s(c, settings, False) for c in plan.cases)
              + sum(real_heads.estimate_s(c, settings, False) for c in heads)
              + 0.5 * (len(plan.host_points) + len(plan.softmax_points)))

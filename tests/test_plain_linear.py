@@ -76,7 +76,8 @@ def step(model: nn.Module, x: torch.Tensor, w: torch.Tensor):
     model.zero_grad(set_to_none=True)
     y = model(x)
     (y * w.to(y.dtype)).sum().backward()
-    return y, x.grad, {n: p.grad for n, p in model.named_parameters()}
+    # (torch.compile's wrapper names them under _orig_mod.)
+    return y, x.grad, {n.removeprefix("_orig_mod."): p.grad for n, p in model.named_parameters()}
 
 
 def assert_same_step(new, ref, x, tol=1e-5):

@@ -154,6 +154,13 @@ at::Tensor cached_weight_split(const at::Tensor& w, const GemmProblem& p, cudaSt
 at::Tensor kept_weight_cast(const at::Tensor& w, at::ScalarType dtype) {
   if (w.scalar_type() == dtype) return w;
   if (!w.is_cuda()) return w.to(dtype);
+  // A traced weight (a FakeTensor or functional wrapper under torch.compile, symbolic sizes with
+  // dynamic shapes) has no storage and view to key a kept cast by: cast it as it is.
+  if (w.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+      w.key_set().has(c10::DispatchKey::Python) ||
+      w.key_set().has(c10::DispatchKey::Functionalize)) {
+    return to_gemm_dtype(w, dtype);
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(w.device().index()).stream();
   at::Tensor cast = kept(w, int(dtype), stream, [&] { return to_gemm_dtype(w, dtype); });
   return cast.defined() ? cast : to_gemm_dtype(w, dtype);

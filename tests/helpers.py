@@ -243,15 +243,20 @@ def assert_head_grads_close(number: int, training: bool, model: nn.Module, g_new
         assert err <= tol, (name, err)
 
 
-def fused_nodes(y: torch.Tensor) -> int:
-    """How many fused-head autograd nodes (FUSED_NODE) y's graph holds: the heads that ran fused."""
+def graph_node_names(y: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes in y's graph, each node once."""
     seen, stack = set(), [y.grad_fn]
     while stack:
         fn = stack.pop()
         if fn is not None and fn not in seen:
             seen.add(fn)
             stack.extend(f for f, _ in fn.next_functions)
-    return sum(fn.name() == FUSED_NODE for fn in seen)
+    return [fn.name() for fn in seen]
+
+
+def fused_nodes(y: torch.Tensor) -> int:
+    """How many fused-head autograd nodes (FUSED_NODE) y's graph holds: the heads that ran fused."""
+    return graph_node_names(y).count(FUSED_NODE)
 
 
 def float64_errors(model: nn.Module, twin: nn.Module, x: torch.Tensor, grad: torch.Tensor, *,

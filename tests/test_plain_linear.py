@@ -20,10 +20,9 @@ from torch import nn
 
 import epifuse
 from epifuse.fusion import LINEARS_ATTR
-from helpers import rel_err
+from helpers import FUSED_NODE, graph_node_names, rel_err
 
 LINEAR_NODE = "torch::autograd::CppNode<epifuse::FusedLinear>"
-HEAD_NODE = "torch::autograd::CppNode<epifuse::FusedHead>"
 IN, HID, OUT = 16, 24, 12
 ACTIVATIONS = {"none": None, "relu": nn.ReLU, "leaky_relu0.2": lambda: nn.LeakyReLU(0.2),
                "leaky_relu-0.3": lambda: nn.LeakyReLU(-0.3), "gelu": nn.GELU,
@@ -57,17 +56,6 @@ def fused_copy(model: nn.Module, **kw):
     new = copy.deepcopy(model)
     _, report = epifuse.fuse(new, **kw)
     return new, report
-
-
-def graph_nodes(y: torch.Tensor) -> list[str]:
-    """The autograd node names in y's graph."""
-    seen, stack = set(), [y.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is not None and fn not in seen:
-            seen.add(fn)
-            stack.extend(f for f, _ in fn.next_functions)
-    return [fn.name() for fn in seen]
 
 
 def step(model: nn.Module, x: torch.Tensor, w: torch.Tensor):
@@ -133,7 +121,7 @@ def test_fused_layer_matches_eager(fused_on_cpu, op_calls, act_id, softmax_dim, 
     assert len(report.fused) == 1
     x = torch.randn(10, IN)
     y = assert_same_step(new, ref, x)
-    assert LINEAR_NODE in graph_nodes(y)
+    assert LINEAR_NODE in graph_node_names(y)
     assert "fused_linear" in op_calls and "gemm_affine" in op_calls
     op_calls.clear()
     with torch.no_grad():  # the forward for no backward
@@ -147,8 +135,8 @@ def test_real_heads_run_every_layer_fused(fused_on_cpu, op_calls):
         ref = build()
         new, _ = fused_copy(ref)
         y = assert_same_step(new, ref, torch.randn(8, IN))
-        nodes = graph_nodes(y)
-        assert nodes.count(HEAD_NODE) == heads and nodes.count(LINEAR_NODE) == linears
+        nodes = graph_node_names(y)
+        assert nodes.count(FUSED_NODE) == heads and nodes.count(LINEAR_NODE) == linears
         assert "AddmmBackward0" not in nodes and "MmBackward0" not in nodes
 
 
@@ -157,7 +145,7 @@ def test_nd_input_runs_as_a_2d_view(fused_on_cpu, op_calls):
     ref = layer("gelu", -1)
     new, _ = fused_copy(ref)
     y = assert_same_step(new, ref, torch.randn(3, 5, IN))
-    assert y.shape == (3, 5, OUT) and LINEAR_NODE in graph_nodes(y)
+    assert y.shape == (3, 5, OUT) and LINEAR_NODE in graph_node_names(y)
 
 
 def test_softmax_over_dim_1_of_a_3d_input_runs_the_modules(fused_on_cpu, op_calls):
@@ -166,7 +154,7 @@ def test_softmax_over_dim_1_of_a_3d_input_runs_the_modules(fused_on_cpu, op_call
     ref = layer("relu", 1)
     new, _ = fused_copy(ref)
     y = assert_same_step(new, ref, torch.randn(3, 5, IN))
-    assert LINEAR_NODE not in graph_nodes(y) and "fused_linear" not in op_calls
+    assert LINEAR_NODE not in graph_node_names(y) and "fused_linear" not in op_calls
 
 
 def test_a_shared_output_fuses_the_linear_alone(fused_on_cpu, op_calls):
@@ -184,7 +172,7 @@ def test_a_shared_output_fuses_the_linear_alone(fused_on_cpu, op_calls):
     new, report = fused_copy(ref)
     assert [f.where for f in report.fused] == ["fc"]
     assert "2 consumers" in report.fused[0].note
-    assert LINEAR_NODE in graph_nodes(assert_same_step(new, ref, torch.randn(6, IN)))
+    assert LINEAR_NODE in graph_node_names(assert_same_step(new, ref, torch.randn(6, IN)))
 
 
 def test_tied_weights_get_both_layers_gradients(fused_on_cpu):
@@ -202,7 +190,7 @@ def test_tied_weights_get_both_layers_gradients(fused_on_cpu):
     new, report = fused_copy(ref)
     assert len(report.fused) == 2 and new.a.weight is new.b.weight
     y = assert_same_step(new, ref, torch.randn(6, IN))
-    assert graph_nodes(y).count(LINEAR_NODE) == 2
+    assert graph_node_names(y).count(LINEAR_NODE) == 2
 
 
 def test_tf32_runs_pytorchs_gemm(fused_on_cpu, op_calls):
@@ -217,7 +205,7 @@ def test_tf32_runs_pytorchs_gemm(fused_on_cpu, op_calls):
         y = assert_same_step(new, ref, torch.randn(6, IN))
     finally:
         torch.set_float32_matmul_precision(old)
-    assert LINEAR_NODE not in graph_nodes(y) and "fused_linear" not in op_calls
+    assert LINEAR_NODE not in graph_node_names(y) and "fused_linear" not in op_calls
 
 
 def test_double_backward_is_refused(fused_on_cpu):
@@ -233,7 +221,7 @@ def test_cpu_input_without_the_patch_runs_the_modules(op_calls):
     ref = simclr()
     new, _ = fused_copy(ref)
     y = assert_same_step(new, ref, torch.randn(4, IN))
-    assert LINEAR_NODE not in graph_nodes(y) and "fused_linear" not in op_calls
+    assert LINEAR_NODE not in graph_node_names(y) and "fused_linear" not in op_calls
 
 
 # --------------------------------------------------------------------------- on the GPU
@@ -269,7 +257,7 @@ def test_default_precision_error_no_larger_than_eager(act_id, softmax_dim, bias,
     x = torch.randn(128, 256, device=CUDA)
     w = torch.randn(128, 384, device=CUDA)
     y_new, err_new = _float64_errors(new, twin, x, w)
-    assert LINEAR_NODE in graph_nodes(y_new)
+    assert LINEAR_NODE in graph_node_names(y_new)
     _, err_eager = _float64_errors(ref, twin, x, w)
     for name, e in err_new.items():
         assert e <= 1.25 * err_eager[name] + 1e-6, (name, err_new, err_eager)
@@ -293,7 +281,7 @@ def test_real_heads_on_the_gpu(build):
         sum(y.square().sum() for y in ys).backward()
         sum(y.square().sum() for y in ys64).backward()
         if impl == "fused":
-            nodes = graph_nodes(ys[0])
+            nodes = graph_node_names(ys[0])
             assert LINEAR_NODE in nodes and "MmBackward0" not in nodes
         errors[impl] = {"out": max(rel_err(a, b) for a, b in zip(ys, ys64))}
         errors[impl].update({n: rel_err(p.grad, q.grad) for (n, p), (_, q) in
@@ -311,7 +299,7 @@ def test_autocast_runs_pytorchs_gemm():
     x = torch.randn(64, 256, device=CUDA)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y_new, y_ref = new(x), ref(x)
-    assert LINEAR_NODE not in graph_nodes(y_new)
+    assert LINEAR_NODE not in graph_node_names(y_new)
     assert torch.equal(y_new, y_ref)
 
 

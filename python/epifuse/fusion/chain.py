@@ -45,7 +45,36 @@ def slot_of(root: nn.Module, target: str) -> Slot:
     return Slot(owner, name, registry)
 
 
-class FusedChain(HeadModule):
+class TakenTail:
+    """The activation and softmax a chain took in at fuse time (``_activation_slot``,
+    ``_softmax_slot``: the model's modules, None for functions; ``activation``,
+    ``negative_slope``, ``softmax_dim``): whether they changed since, and running them unfused.
+    Shared by FusedChain and the plain Linear's FusedLinearChain."""
+
+    def _modules_changed(self) -> bool:
+        """Whether the activation or softmax module taken in at fuse time has changed since: a
+        setting (LeakyReLU's slope, Softmax's dim), the module put in its place, or hooks of its
+        own, which only its call runs. The chain then runs its modules, these included."""
+        if self._activation_slot is not None:
+            module = self._activation_slot.get()
+            if (activation_of_module(module) != (self.activation, self.negative_slope)
+                    or has_module_hooks(module)):
+                return True
+        return (self._softmax_slot is not None
+                and softmax_module_changed(self._softmax_slot.get(), self.softmax_dim))
+
+    def activation_and_softmax(self, y: Tensor) -> Tensor:
+        """The unfused tail: the model's own activation and softmax modules where it has them."""
+        if self._activation_slot is not None:
+            y = self._activation_slot.get()(y)
+        elif self.activation:
+            y = apply_activation(y, self.activation, self.negative_slope)
+        if self._softmax_slot is not None:
+            return self._softmax_slot.get()(y)
+        return y if self.softmax_dim is None else torch.softmax(y, self.softmax_dim)
+
+
+class FusedChain(TakenTail, HeadModule):
     """A fused ``Linear -> BatchNorm1d [-> scale] [-> activation] [-> softmax]`` over borrowed
     modules.
 
@@ -96,28 +125,6 @@ class FusedChain(HeadModule):
             body = self._spec._replace(activation="", softmax=False)
             return self.activation_and_softmax(run_head(self, x, body, head_body_reference))
         return super().forward(x)
-
-    def _modules_changed(self) -> bool:
-        """Whether the activation or softmax module taken in at fuse time has changed since: a
-        setting (LeakyReLU's slope, Softmax's dim), the module put in its place, or hooks of its
-        own, which only its call runs. The chain then runs its modules, these included."""
-        if self._activation_slot is not None:
-            module = self._activation_slot.get()
-            if (activation_of_module(module) != (self.activation, self.negative_slope)
-                    or has_module_hooks(module)):
-                return True
-        return (self._softmax_slot is not None
-                and softmax_module_changed(self._softmax_slot.get(), self.softmax_dim))
-
-    def activation_and_softmax(self, y: Tensor) -> Tensor:
-        """The unfused tail: the model's own activation and softmax modules where it has them."""
-        if self._activation_slot is not None:
-            y = self._activation_slot.get()(y)
-        elif self.activation:
-            y = apply_activation(y, self.activation, self.negative_slope)
-        if self._softmax_slot is not None:
-            return self._softmax_slot.get()(y)
-        return y if self.softmax_dim is None else torch.softmax(y, self.softmax_dim)
 
     def extra_repr(self) -> str:
         return f"{self.where}: {super().extra_repr()}"

@@ -13,15 +13,14 @@ from typing import Optional
 
 from torch import Tensor, nn
 
-from ..head import apply_activation, has_module_hooks, softmax_module_changed
 from ..head_config import DEFAULT
 from ..linear import run_linear
-from ..nn import DEFAULT_NEGATIVE_SLOPE, NotScriptable, activation_of_module, describe_activation
+from ..nn import DEFAULT_NEGATIVE_SLOPE, NotScriptable, describe_activation
 from ..precision import validate_precision
-from .chain import Slot
+from .chain import Slot, TakenTail
 
 
-class FusedLinearChain(NotScriptable, nn.Module):
+class FusedLinearChain(TakenTail, NotScriptable, nn.Module):
     """A fused plain ``Linear [-> activation] [-> softmax(dim=1|-1)]`` over borrowed modules.
 
     Built by ``epifuse.fuse``. ``where`` is the chain as the report prints it; ``strict``: where
@@ -59,29 +58,10 @@ class FusedLinearChain(NotScriptable, nn.Module):
             return self.run_modules(x)
         return run_linear(self, x)
 
-    def _modules_changed(self) -> bool:
-        """Whether the activation or softmax module taken in at fuse time has changed since (a
-        setting, the module put in its place, hooks of its own): the layer then runs its
-        modules as they are."""
-        if self._activation_slot is not None:
-            module = self._activation_slot.get()
-            if (activation_of_module(module) != (self.activation, self.negative_slope)
-                    or has_module_hooks(module)):
-                return True
-        return (self._softmax_slot is not None
-                and softmax_module_changed(self._softmax_slot.get(), self.softmax_dim))
-
     def run_modules(self, x: Tensor) -> Tensor:
         """The unfused layer: the model's Linear, then its own activation and softmax modules
         where it has them (their math where they were functions)."""
-        y = self.gemm(x)
-        if self._activation_slot is not None:
-            y = self._activation_slot.get()(y)
-        elif self.activation:
-            y = apply_activation(y, self.activation, self.negative_slope)
-        if self._softmax_slot is not None:
-            return self._softmax_slot.get()(y)
-        return y if self.softmax_dim is None else y.softmax(self.softmax_dim)
+        return self.activation_and_softmax(self.gemm(x))
 
     def extra_repr(self) -> str:
         softmax = "none" if self.softmax_dim is None else f"dim={self.softmax_dim}"

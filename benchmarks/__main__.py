@@ -13,9 +13,11 @@ section of BENCHMARKS.md in one run.
    forward, loss, backward, SGD / AdamW step; fp32-tf32, amp-bf16, amp-fp16 with GradScaler) at
    batches 256 to 4096, eager and fused, each also under torch.compile (default and
    reduce-overhead), and the host time of one head's forward and backward.
-4. Small batches (``benchmarks.small_batch``): Barlow Twins' and MoCo v3's heads, two views per
-   step at 64-256 rows per view, default fp32, TF32 and bf16 autocast, eager, compile, fused and
-   compile of the fused model, with where the GPU time goes.
+4. Small batches and whole heads (``benchmarks.small_batch``): Barlow Twins', MoCo v3's, BYOL's
+   and SimCLR v1's heads and a tabular MLP, two views per step at 128-256 rows per view and one
+   call of 4096 rows, default fp32, TF32 and bf16 autocast, eager, compile, fused and compile of
+   the fused model, with where the GPU time goes; and one end-to-end row (ResNet-50 + Barlow
+   Twins projector, two views of 128 images, SGD).
 5. Our row softmax against torch.softmax and the copy bandwidth.
 6. On a machine with 2 GPUs or more, data-parallel training steps (``benchmarks.distributed``);
    otherwise the page says it was not run.
@@ -305,8 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     heads = (real_heads.plan(real_heads.MODELS, args.dtypes, real_heads.modes_for(args.modes),
                              dry=dry, compile=args.compile) if args.real_heads else [])
     settings = Settings(warmup=args.warmup, iters=args.iters, max_seconds=args.max_seconds)
-    small = (small_batch.plan(small_batch.MODELS, small_batch.SETTINGS,
-                              small_batch.DRY_BATCHES if dry else small_batch.BATCHES,
+    small = (small_batch.plan(small_batch.MODELS, small_batch.SETTINGS, None,
                               small_batch.MODES, dry=dry, compile=args.compile)
              if args.small_batch else [])
     want_loop = args.loop if args.loop is not None else (not dry or args.quick)

@@ -416,8 +416,8 @@ def real_heads_markdown(env: dict, rows: Sequence[dict]) -> str:
 
 # --------------------------------------------------------------------------- small batches
 
-SMALL_BATCH_TITLE = ("Small batches: SSL heads, two views per step (ms per step; GPU ms and where "
-                     "it goes)")
+SMALL_BATCH_TITLE = ("Small batches and whole heads: SSL and tabular heads as their papers build "
+                     "them, fused by epifuse.fuse (ms per step; GPU ms and where it goes)")
 SMALL_BATCH_MODES = {"head": "head", "sgd": "+ SGD"}
 
 
@@ -460,56 +460,88 @@ def _sb_path(r: dict, notes: Notes) -> str:
         " " + notes.ref(f"{r['model']} {r['setting']}, {i} fell back: {why}") for i, why in back)
 
 
+def _sb_head(r: dict) -> str:
+    """The row's model and shape: "barlow_twins 2 x 128", "tabular 1 x 4096"."""
+    name = ("ResNet-50 + barlow_twins" if r["model"] == "resnet50_barlow_twins" else r["model"])
+    return f"{name} {r.get('views', 2)} x {r['batch']}"
+
+
 def _small_batch_table(rows: Sequence[dict], notes: Notes) -> tuple[list, list, int]:
     cells = []
     for r in rows:
         times = " / ".join(_sb_cell(r, i, notes) for i in ("eager", "compile", "fused",
                                                             "compile_fused"))
         gpu = " / ".join(_sb_cell(r, i, notes, "queued_ms") for i in ("eager", "fused"))
-        cells.append([r["model"], str(r["batch"]), r["setting"],
-                      SMALL_BATCH_MODES.get(r["mode"], r["mode"]), _sb_path(r, notes), times,
-                      fmt_x(_sb_ratio(r, "eager", "fused")),
-                      fmt_x(_sb_ratio(r, "compile", "fused")),
-                      fmt_x(_sb_ratio(r, "compile", "compile_fused")), gpu,
+        vs_compile = " / ".join(fmt_x(_sb_ratio(r, "compile", i))
+                                for i in ("fused", "compile_fused"))
+        cells.append([_sb_head(r), r["setting"], SMALL_BATCH_MODES.get(r["mode"], r["mode"]),
+                      _sb_path(r, notes), times, fmt_x(_sb_ratio(r, "eager", "fused")),
+                      vs_compile, gpu,
                       _sb_breakdown(r, "fused") + " | " + _sb_breakdown(r, "eager"),
                       _sb_peaks(r)])
-    return (["head", "rows/view", "setting", "step", "fused heads",
+    return (["head (views x rows)", "setting", "step", "fused chains",
              "ms eager / compile / fused / compile(fused)", "fused vs eager",
-             "fused vs compile", "compile(fused) vs compile", "GPU ms eager / fused",
-             "GPU ms GEMM / operands / other: fused | eager", "peak MiB fused / eager"], cells, 5)
+             "vs compile: fused / compile(fused)", "GPU ms eager / fused",
+             "GPU ms GEMM / operands / other: fused | eager", "peak MiB fused / eager"], cells, 4)
 
 
 def small_batch_legend(rows: Sequence[dict]) -> str:
     dims = {r["model"]: r.get("dims") for r in rows if r.get("dims")}
     models = []
+
+    def have(name: str):
+        return dims.get(name) or (None, None, None)
+
     if "barlow_twins" in dims:
-        d_in, h, d_out = dims["barlow_twins"]
+        d_in, h, d_out = have("barlow_twins")
         models.append(f"barlow_twins = Barlow Twins' projector, Linear({d_in}, {h}) -> BN -> ReLU "
                       f"-> Linear({h}, {h}) -> BN -> ReLU -> Linear({h}, {d_out})")
     if "moco_v3" in dims:
-        d_in, h, d_out = dims["moco_v3"]
+        d_in, h, d_out = have("moco_v3")
         models.append(f"moco_v3 = MoCo v3's projector Linear({d_in}, {h}) -> BN -> ReLU -> "
                       f"Linear({h}, {h}) -> BN -> ReLU -> Linear({h}, {d_out}) -> "
                       f"BatchNorm1d({d_out}, affine=False) and predictor Linear({d_out}, {h}) -> "
                       f"BN -> ReLU -> Linear({h}, {d_out})")
+    if "byol" in dims:
+        d_in, h, d_out = have("byol")
+        models.append(f"byol = BYOL's projector Linear({d_in}, {h}) -> BN -> ReLU -> "
+                      f"Linear({h}, {d_out}) and predictor Linear({d_out}, {h}) -> BN -> ReLU -> "
+                      f"Linear({h}, {d_out})")
     if "simclr_v1" in dims:
-        d_in, h, d_out = dims["simclr_v1"]
+        d_in, h, d_out = have("simclr_v1")
         models.append(f"simclr_v1 = SimCLR v1's projection head Linear({d_in}, {h}) -> ReLU -> "
-                      f"Linear({h}, {d_out}), with biases, no BatchNorm")
+                      f"Linear({h}, {d_out}), no BatchNorm")
+    if "tabular" in dims:
+        d_in, h, d_out = have("tabular")
+        models.append(f"tabular = a tabular MLP Linear({d_in}, {h}) -> BN -> ReLU -> "
+                      f"Linear({h}, {h}) -> BN -> ReLU -> Linear({h}, {d_out})")
+    e2e = [r for r in rows if r["model"] == "resnet50_barlow_twins"]
+    if e2e:
+        source = e2e[0].get("backbone") or "torchvision"
+        models.append("ResNet-50 + barlow_twins = end to end: a ResNet-50 backbone ("
+                      + ("torchvision's" if source == "torchvision"
+                         else "torchvision's architecture, from benchmarks/resnet.py")
+                      + f", its fc dropped) under the same projector, images of {e2e[0].get('image')} x "
+                      f"{e2e[0].get('image')}, the "
+                      "whole step timed; the head and its loss are a small part of such a step, "
+                      "so a few percent is what fusing the head can give it; not compiled")
     return ("Small batches (`python -m benchmarks.small_batch`): " + "; ".join(models)
-            + "; the BatchNorm heads' Linears without bias. Plain Linears (no BatchNorm after "
-            "them) run fused at fp32 default precision and PyTorch's own GEMM at 16 bits and in "
-            "TF32. One step = both views through the head (two calls, "
-            "in one autocast region for amp-bf16), -cosine_similarity(z1, z2).mean(), backward; "
+            + "; a Linear that a BatchNorm follows without bias, the others with one. Plain "
+            "Linears (no BatchNorm after them) run fused at fp32 default precision and PyTorch's "
+            "own GEMM at 16 bits and in TF32. One step = each view through the model (its own "
+            "call; 2 x rows: two views, -cosine_similarity(z1, z2).mean(); 1 x 4096: one call, "
+            "mean(z^2); in one autocast region for amp-bf16), backward; "
             "'head': the parameters' versions bumped as an optimizer's update would, no "
             "optimizer; '+ SGD': SGD(momentum=0.9, fused) steps. ms per step queued back to back "
             "(a host slower than its GPU counts); GPU ms: the same steps with the host ahead. "
-            "Where the GPU time goes: one profiled run of 3 steps, kernels by name (operands = "
+            "Where the GPU time goes: one profiled run of 3 steps, kernels by name (GEMM = "
+            "CUTLASS and cuBLAS GEMMs and the backbone's convolutions; operands = "
             "the 3x splits, 16-bit casts and operand copies; other = BatchNorm, activations, "
-            "the loss, reductions, the optimizer). 'fused heads' = chains `epifuse.fuse` fused "
+            "the loss, reductions, the optimizer). 'fused chains' = what `epifuse.fuse` fused "
             "(Linear -> BN chains and plain Linears); a footnote marks a step that did not run them. "
             "peak MiB: one step's peak above what was allocated before it. torch.compile "
-            "only at the batches the row shows ('-' elsewhere).")
+            "only at the batches the row shows ('-' elsewhere), compile of the fused model for "
+            "barlow_twins and moco_v3.")
 
 
 def small_batch_markdown(doc: dict) -> str:

@@ -291,8 +291,23 @@ Tensor scale_gradient(const HeadGradZ& r, const Tensor& scale, bool needed) {
   return needed ? at::zeros_like(scale) : at::empty({0}, scale.options());
 }
 
-// dX and dW are computed only where needs asks (else empty tensors); the [N] parameter gradients
-// always (the scale's: see scale_gradient).
+Tensor6 head_backward(Tensor grad, Tensor x, Tensor weight, const OptTensor& bias,
+                      const Tensor& gamma, const Tensor& beta, const Tensor& scale, const Tensor& z,
+                      const OptTensor& out, const OptTensor& colsum, const OptTensor& colsumsq,
+                      const Tensor& moments, Needs needs, const OptTensor& a, const OptTensor& c,
+                      const HeadConfig& cfg) {
+  const HeadGradZ r = head_backward_to_dz(grad, bias, gamma, beta, scale, z, out, colsum,
+                                          colsumsq, moments, needs, a, c, cfg);
+  const auto empty_options = grad.options();  // of the gradients not asked for
+  grad.reset();  // the output's gradient, once dz exists
+  const auto none = [&] { return at::empty({0}, empty_options); };
+  const Tensor grad_x = needs[0] ? backward_dx(r.dz, weight, cfg) : none();
+  weight.reset();  // under autocast its 16-bit cast, before dW's result is allocated
+  const Tensor grad_w = needs[1] ? backward_dw(r.dz, x, gamma.scalar_type(), cfg) : none();
+  return {grad_x, grad_w, r.bias, r.gamma, r.beta, scale_gradient(r, scale, needs[5])};
+}
+
+// The op's kernel: its settings parsed, then the one sequence (head_backward).
 Tensor6 fused_head_backward(const Tensor& grad, const OptTensor& x, const OptTensor& weight,
                             const OptTensor& bias, const Tensor& gamma, const Tensor& beta,
                             const Tensor& scale, const Tensor& z, const OptTensor& out,
@@ -302,12 +317,8 @@ Tensor6 fused_head_backward(const Tensor& grad, const OptTensor& x, const OptTen
   const HeadConfig cfg EPIFUSE_HEAD_CONFIG_FROM_PARAMS;
   TORCH_CHECK(!needs[0] || weight.has_value(), "epifuse::fused_head_backward: dX needs weight");
   TORCH_CHECK(!needs[1] || x.has_value(), "epifuse::fused_head_backward: dW needs x");
-  const HeadGradZ r = head_backward_to_dz(grad, bias, gamma, beta, scale, z, out, colsum,
-                                          colsumsq, moments, needs, a, c, cfg);
-  const auto none = [&] { return at::empty({0}, grad.options()); };
-  const Tensor grad_x = needs[0] ? backward_dx(r.dz, *weight, cfg) : none();
-  const Tensor grad_w = needs[1] ? backward_dw(r.dz, *x, gamma.scalar_type(), cfg) : none();
-  return {grad_x, grad_w, r.bias, r.gamma, r.beta, scale_gradient(r, scale, needs[5])};
+  return head_backward(grad, x.value_or(Tensor()), weight.value_or(Tensor()), bias, gamma, beta,
+                       scale, z, out, colsum, colsumsq, moments, needs, a, c, cfg);
 }
 
 namespace {

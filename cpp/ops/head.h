@@ -59,4 +59,17 @@ Tensor backward_dw(const Tensor& dz, const Tensor& x, at::ScalarType param_dtype
 // scale, whose stand-in nothing read, zeros where one is asked for and else an empty tensor.
 Tensor scale_gradient(const HeadGradZ& r, const Tensor& scale, bool needed);
 
+// The head's backward, the one sequence of it: head_backward_to_dz -> dX -> dW (fused_head_backward's
+// kernel and FusedHead's backward both call it). dX and dW are computed only where needs asks
+// (else empty tensors), the [N] parameter gradients always (the scale's: see scale_gradient).
+// grad, x and weight are taken by value and dropped after their last use (grad once dz exists,
+// the weight after dX), as eager's autograd frees a node's inputs once its backward has run: a
+// caller that moves its last references in (the autograd node) peaks lower; x and weight are the
+// GEMMs' operands (the forward's 16-bit casts under autocast), undefined where not needed.
+Tensor6 head_backward(Tensor grad, Tensor x, Tensor weight, const OptTensor& bias,
+                      const Tensor& gamma, const Tensor& beta, const Tensor& scale, const Tensor& z,
+                      const OptTensor& out, const OptTensor& colsum, const OptTensor& colsumsq,
+                      const Tensor& moments, Needs needs, const OptTensor& a, const OptTensor& c,
+                      const HeadConfig& cfg);
+
 }  // namespace epifuse::ops

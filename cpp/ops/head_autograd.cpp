@@ -153,36 +153,28 @@ struct FusedHead : torch::autograd::Function<FusedHead> {
       take(kXCast, x_gemm);
       take(kWeightCast, w_gemm);
     }
-    std::array<Tensor, 6> all;
+    Tensor6 all;
     if (!at::GradMode::is_enabled()) {
-      // The usual backward (no create_graph), in steps, each input freed after its last use, as
-      // eager's autograd frees a node's inputs once its backward has run: the output's gradient
-      // once dz exists (the projection MLP's fp32 step, whose 4096 x 4096 heads' gradients are
-      // 64 MiB each, peaked 64 MiB lower), and under autocast the weight's 16-bit cast after dX,
-      // before dW's fp32 result is allocated (problem 84: 128 MiB of bf16 weight beside 256 MiB
-      // of fp32 dW). The one op call below would hold them all until it returned.
+      // The usual backward (no create_graph): the one sequence, given the last references to the
+      // output's gradient and the casts, each freed after its last use (head_backward): the
+      // output's gradient once dz exists (the projection MLP's fp32 step, whose 4096 x 4096
+      // heads' gradients are 64 MiB each, peaked 64 MiB lower), and under autocast the weight's
+      // 16-bit cast after dX, before dW's fp32 result is allocated (problem 84: 128 MiB of bf16
+      // weight beside 256 MiB of fp32 dW). A call of the op would hold them until it returned.
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      HeadGradZ r = [&] {
-        const Tensor grad = std::move(grads[0]);  // its last reference: gone with this scope
-        return head_backward_to_dz(grad, opt(s.bias), s.gamma, s.beta, s.scale, s.z, opt(s.out),
-                                   opt(s.colsum), opt(s.colsumsq), s.moments, needs, opt(s.a),
-                                   opt(s.c), cfg);
-      }();
-      if (needs[0]) all[0] = backward_dx(r.dz, w_gemm, cfg);
-      w_gemm.reset();
-      if (needs[1]) all[1] = backward_dw(r.dz, x_gemm, s.gamma.scalar_type(), cfg);
-      all[2] = r.bias, all[3] = r.gamma, all[4] = r.beta;
-      all[5] = scale_gradient(r, s.scale, needs[5]);
-    } else {
-      auto grads_in = EPIFUSE_OP(fused_head_backward).call(
+      all = head_backward(std::move(grads[0]), std::move(x_gemm), std::move(w_gemm), opt(s.bias),
+                          s.gamma, s.beta, s.scale, s.z, opt(s.out), opt(s.colsum),
+                          opt(s.colsumsq), s.moments, needs, opt(s.a), opt(s.c), cfg);
+    } else {  // create_graph: through the op, whose autograd kernel records FusedHeadBackward
+      all = EPIFUSE_OP(fused_head_backward).call(
           grads[0], opt(x_gemm), opt(w_gemm), opt(s.bias), s.gamma, s.beta, s.scale, s.z,
           opt(s.out), opt(s.colsum), opt(s.colsumsq), s.moments, needs, opt(s.a),
           opt(s.c) EPIFUSE_HEAD_ARGS);
-      all = {std::get<0>(grads_in), std::get<1>(grads_in), std::get<2>(grads_in),
-             std::get<3>(grads_in), std::get<4>(grads_in), std::get<5>(grads_in)};
     }
+    const Tensor* grads_out[6] = {&std::get<0>(all), &std::get<1>(all), &std::get<2>(all),
+                                  &std::get<3>(all), &std::get<4>(all), &std::get<5>(all)};
     for (int i = 0; i < 6; ++i) {
-      if (needs[i]) result[i] = all[i];
+      if (needs[i]) result[i] = *grads_out[i];
     }
     // dX in x's dtype where the backward could not write it so (x float64, the GEMM 16-bit).
     if (result[0].defined() && result[0].scalar_type() != x_dtype) result[0] = result[0].to(x_dtype);

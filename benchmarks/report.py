@@ -521,8 +521,8 @@ def small_batch_legend(rows: Sequence[dict]) -> str:
         models.append("ResNet-50 + barlow_twins = end to end: a ResNet-50 backbone ("
                       + ("torchvision's" if source == "torchvision"
                          else "torchvision's architecture, from benchmarks/resnet.py")
-                      + f", its fc dropped) under the same projector, images of {e2e[0].get('image')} x "
-                      f"{e2e[0].get('image')}, the "
+                      + ", its fc dropped) under the same projector, images of "
+                      f"{e2e[0].get('image')} x {e2e[0].get('image')}, the "
                       "whole step timed; the head and its loss are a small part of such a step, "
                       "so a few percent is what fusing the head can give it; not compiled")
     return ("Small batches (`python -m benchmarks.small_batch`): " + "; ".join(models)
@@ -538,7 +538,8 @@ def small_batch_legend(rows: Sequence[dict]) -> str:
             "CUTLASS and cuBLAS GEMMs and the backbone's convolutions; operands = "
             "the 3x splits, 16-bit casts and operand copies; other = BatchNorm, activations, "
             "the loss, reductions, the optimizer). 'fused chains' = what `epifuse.fuse` fused "
-            "(Linear -> BN chains and plain Linears); a footnote marks a step that did not run them. "
+            "(Linear -> BN chains and plain Linears); a footnote marks a step that did not run "
+            "them. "
             "peak MiB: one step's peak above what was allocated before it. torch.compile "
             "only at the batches the row shows ('-' elsewhere), compile of the fused model for "
             "barlow_twins and moco_v3.")

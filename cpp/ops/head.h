@@ -59,7 +59,7 @@ Tensor backward_dw(const Tensor& dz, const Tensor& x, at::ScalarType param_dtype
 // scale, whose stand-in nothing read, zeros where one is asked for and else an empty tensor.
 Tensor scale_gradient(const HeadGradZ& r, const Tensor& scale, bool needed);
 
-// The head's backward, the one sequence of it: head_backward_to_dz -> dX -> dW (fused_head_backward's
+// The head's backward, its one sequence: head_backward_to_dz -> dX -> dW (fused_head_backward's
 // kernel and FusedHead's backward both call it). dX and dW are computed only where needs asks
 // (else empty tensors), the [N] parameter gradients always (the scale's: see scale_gradient).
 // grad, x and weight are taken by value and dropped after their last use (grad once dz exists,

@@ -814,6 +814,24 @@ def tables(doc: dict) -> tuple[list[tuple], Notes]:
     return out, notes
 
 
+def unmeasured(doc: dict) -> str:
+    """For a run that did not finish (bench.json's "complete" false), which of the sections it
+    was asked for have no rows ("" for a finished run): what the page lacks."""
+    if doc.get("complete", True):
+        return ""
+    settings = doc.get("settings") or {}
+    rows = {"host_time": doc.get("host_time"), "softmax": doc.get("softmax"),
+            "real_heads": doc.get("real_heads"), "small_batch": doc.get("small_batch"),
+            "loop": doc.get("loop"), "kernelbench": doc.get("cases")}
+    empty = [SECTION_NAMES[k] for k, v in rows.items()
+             if not v and settings.get(k, k == "kernelbench")]
+    partial = (f"the training loop has the rows measured before the stop ({len(doc['loop'])})"
+               if doc.get("loop") and not doc.get("loop_host") else "")
+    parts = ([f"not measured: {', '.join(empty)}"] if empty else []) + ([partial] if partial
+                                                                        else [])
+    return "; ".join(parts) or "every section has rows, the last one may be partial"
+
+
 def distributed_text(doc: dict, markdown: bool) -> Optional[str]:
     """The 2-GPU section: its table, or the line saying why it was not run (None: not asked)."""
     d = doc.get("distributed")
@@ -1001,9 +1019,11 @@ def markdown_report(doc: dict, charts: Sequence[str] = (), md_path: Optional[str
     lines = [
         "# epifuse benchmarks", "",
         "Generated, whole, by one command on a GPU machine (`scripts/bench.sh --markdown "
-        "BENCHMARKS.md`; the code is in `benchmarks/`, the charts in `BENCHMARKS-charts/`); "
-        "edit the generator, not this page. Every number below is from the run named here; "
-        "earlier runs are in git's history.", "",
+        "BENCHMARKS.md`; the code is in `benchmarks/`"
+        + (", the charts in `BENCHMARKS-charts/`" if charts else
+           "; no charts: matplotlib was not installed where the page was written")
+        + "); edit the generator, not this page. Every number below is from the run named "
+        "here; earlier runs are in git's history.", "",
         "## Environment", "",
         f"- GPU: **{env.get('gpu')}**" + (
             f" ({env['capability']}, {env.get('sm_count')} SMs, {env.get('gpu_memory_gib')} GiB, "
@@ -1022,6 +1042,9 @@ def markdown_report(doc: dict, charts: Sequence[str] = (), md_path: Optional[str
     if settings.get("dry_run"):
         lines += ["**Dry run on the CPU at tiny sizes (`--device cpu`): the timings only test "
                   "the benchmark's plumbing.**", ""]
+    unfinished = unmeasured(doc)
+    if unfinished:
+        lines += [f"**This run stopped before its end: {unfinished}.**", ""]
     kb_titles = {FORWARD_TITLE, STEP_TITLE, AMP_FORWARD_TITLE, AMP_STEP_TITLE, GEMM_TITLE,
                  HOST_TITLE}
     if any(t[0] in kb_titles or t[0].startswith("M sweep") for t in ts):
@@ -1034,6 +1057,10 @@ def markdown_report(doc: dict, charts: Sequence[str] = (), md_path: Optional[str
                  or title == LOOP_HOST_TITLE else "##")
         lines += [f"{level} {title}", "", table(headers, cells, left, markdown=True), ""]
     dist = distributed_text(doc, markdown=True)
+    if dist is None and settings.get("distributed") is False and on_cuda(env) \
+            and (env.get("gpu_count") or 0) < 2:
+        dist = (f"Not run: this machine has {env.get('gpu_count')} GPU (the section runs on a "
+                "machine with 2 or more).")
     if dist is not None:
         lines += [f"## {DISTRIBUTED_TITLE}", "", dist, ""]
     if notes.items:
